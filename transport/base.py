@@ -1,0 +1,152 @@
+"""The Connection interface every transport implements, and the errors it raises.
+
+A connection is one peer, one direction: a FIFO of ``nslots`` staging slots of
+``slot_bytes`` each (NCCL's SIMPLE protocol: the sender owns the head counter,
+the receiver the tail counter).
+
+Sender::                         Receiver::
+
+    slot = conn.acquire(deadline)     data = conn.wait(deadline)   # uint8 view, nbytes long
+    slot[:n] = payload                use(data)                    # e.g. reduce straight out of it
+    conn.post(n)                      conn.release()
+
+At most one slot is held at a time on each side. Transports know nothing of
+collectives; the executor above them turns their errors into messages that
+name the collective and the slice.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class TransportError(RuntimeError):
+    """A connection failed; ``peer`` and ``transport`` say which one."""
+
+    def __init__(self, message: str, *, peer: int, transport: str):
+        super().__init__(message)
+        self.peer = peer
+        self.transport = transport
+
+
+class PeerTimeout(TransportError):
+    """The deadline passed while waiting for the peer."""
+
+
+class PeerGone(TransportError):
+    """The peer closed the link, died, or sent something that breaks the protocol."""
+
+
+class Aborted(TransportError):
+    """A local abort woke the wait."""
+
+
+class Store(Protocol):
+    """What transports need of the rendezvous store (see ringcomm.store)."""
+
+    def set(self, key: str, value: bytes) -> None: ...
+    def get(self, key: str, timeout: float | None = None) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class LinkContext:
+    """Everything a transport needs to know about the job, handed down by the core.
+
+    ``prefix`` is unique per communicator, so several communicators (or a test
+    re-creating one) never read each other's keys or segments.
+    """
+
+    rank: int
+    world_size: int
+    store: Any
+    prefix: str
+    token: str = ""
+    nslots: int = 8
+    slot_bytes: int = 512 * 1024
+    abort: Any = None  # a threading.Event; when set, every wait raises Aborted
+
+
+class SendConnection:
+    transport = "?"
+    peer: int
+    slot_bytes: int
+
+    def acquire(self, deadline: float) -> np.ndarray:
+        """Block until a slot is free; return it as a writable uint8 array of slot_bytes."""
+        raise NotImplementedError
+
+    def post(self, nbytes: int) -> None:
+        """Hand the acquired slot, holding ``nbytes`` of payload, to the receiver."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RecvConnection:
+    transport = "?"
+    peer: int
+    slot_bytes: int
+
+    def wait(self, deadline: float) -> np.ndarray:
+        """Block until the next slot is filled; return its payload as a uint8 array."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Give the slot returned by the last wait() back to the sender."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Transport:
+    """Makes connections to peers. One instance per communicator."""
+
+    name = "?"
+
+    def __init__(self, ctx: LinkContext):
+        self.ctx = ctx
+
+    def connect_send(self, peer: int, deadline: float) -> SendConnection:
+        raise NotImplementedError
+
+    def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Backoff:
+    """Spin, then yield the core, then sleep with growing pauses.
+
+    Several ranks on two cores must not spin each other to death: a spinning
+    rank holds a core the rank it waits for may need. Spinning first keeps the
+    common, fast hand-off (under a microsecond through shared memory) cheap; a
+    blocking wake-up across cores costs ~100 us here, so sleeping comes last.
+    """
+
+    SPINS = 200
+    YIELDS = 2000
+    MAX_SLEEP = 1e-3
+
+    __slots__ = ("n", "pause")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.pause = 2e-5
+
+    def __call__(self) -> None:
+        self.n += 1
+        if self.n <= self.SPINS:
+            return
+        if self.n <= self.SPINS + self.YIELDS:
+            os.sched_yield()
+            return
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 2, self.MAX_SLEEP)
