@@ -112,6 +112,11 @@ class Transport:
     def __init__(self, ctx: LinkContext):
         self.ctx = ctx
 
+    # Connecting never deadlocks because every rank connects all its sends
+    # before any of its receives, and connect_send never waits for the peer's
+    # connect_recv (it may wait for the peer's Transport to exist, which each
+    # rank creates before it connects anything).
+
     def connect_send(self, peer: int, deadline: float) -> SendConnection:
         raise NotImplementedError
 

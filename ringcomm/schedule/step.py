@@ -57,6 +57,9 @@ class Step:
         if recv != bool(self.src) or send != bool(self.dst):
             raise ValueError(f"{self.kind} needs src={'peers' if recv else '()'} "
                              f"and dst={'peers' if send else '()'}, got {self.src} {self.dst}")
+        if len(self.src) > 1 and not KINDS[self.kind][1]:
+            raise ValueError(f"{self.kind} receives from {len(self.src)} peers but does not reduce: "
+                             f"which value would it keep?")
 
     @property
     def recvs(self) -> bool:

@@ -1,0 +1,15 @@
+"""ringcomm: collective communication built from small, visible pieces.
+
+    import ringcomm
+    comm = ringcomm.init()            # reads torchrun / mpirun / Slurm's environment
+    comm.all_reduce(x, ringcomm.SUM)  # in place
+"""
+from .comm import Communicator
+from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreError,
+                     StoreTimeout)
+from .init import init
+from .ops import AVG, MAX, MIN, PROD, SUM, ReduceOp
+
+__version__ = "0.1.0"
+__all__ = ["init", "Communicator", "ReduceOp", "SUM", "PROD", "MIN", "MAX", "AVG", "RingcommError",
+           "CollectiveTimeout", "PeerFailure", "CommunicatorClosed", "StoreError", "StoreTimeout"]

@@ -1,0 +1,201 @@
+"""The Communicator: checks a call, picks an algorithm, hands its Schedule to the executor."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import numpy as np
+
+from .buffers import expect_size, host_array, same_dtype
+from .errors import CommunicatorClosed, RingcommError
+from .executor import Call, Executor
+from .ops import SUM, as_op
+from .schedule import p2p, ring, tree
+
+# Algorithms per collective; the first is the fallback when RINGCOMM_ALGO names
+# one that the collective does not have.
+ALGOS = {
+    "all_reduce": {"ring": ring.ring_all_reduce, "tree": tree.tree_all_reduce},
+    "reduce_scatter": {"ring": ring.ring_reduce_scatter},
+    "all_gather": {"ring": ring.ring_all_gather},
+    "broadcast": {"ring": ring.ring_broadcast, "tree": tree.tree_broadcast},
+    "reduce": {"ring": ring.ring_reduce, "tree": tree.tree_reduce},
+}
+TREE_MAX_BYTES = 64 * 1024  # below this, latency (steps on the critical path) beats bandwidth
+
+
+@lru_cache(maxsize=256)
+def build_schedule(collective: str, algo: str, rank: int, n: int, root: int | None):
+    make = ALGOS[collective][algo]
+    return make(rank, n) if root is None else make(rank, n, root)
+
+
+class Communicator:
+    """A group of ranks that run collectives together. Make one with ringcomm.init()."""
+
+    def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix):
+        self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.timeout = timeout
+        self._prefix = prefix
+        self._store, self._links, self._executor = store, links, executor
+        self._owns_store = owns_store
+        self._seq = 0
+        self._broken: str | None = None
+        self._closed = False
+
+    # ---- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, buf, op=SUM, *, out=None, algo=None):
+        """Reduce ``buf`` over all ranks; the result lands in ``out`` (default: ``buf`` itself)."""
+        op = as_op(op)
+        x = host_array(buf, "all_reduce buf", writable=out is None)
+        y = x if out is None else self._out(out, x, x.size, "all_reduce")
+        self._run("all_reduce", algo, x, y, x.size, op, None, x.nbytes)
+        return buf if out is None else out
+
+    def all_gather(self, buf, out, *, algo=None):
+        """``out`` gets world_size blocks of buf.size elements; rank r's buf at block r."""
+        x = host_array(buf, "all_gather buf", writable=False)
+        y = self._out(out, x, x.size * self.world_size, "all_gather")
+        self._run("all_gather", algo, x, y, x.size, "sum", None, y.nbytes)
+        return out
+
+    def reduce_scatter(self, buf, out, op=SUM, *, algo=None):
+        """``buf`` holds world_size blocks of out.size; rank r gets block r reduced over all ranks."""
+        op = as_op(op)
+        x = host_array(buf, "reduce_scatter buf", writable=False)
+        y = host_array(out, "reduce_scatter out", writable=True)
+        same_dtype(x, y, "reduce_scatter buf and out")
+        expect_size(x, y.size * self.world_size, f"reduce_scatter buf (world_size {self.world_size} x out.size)")
+        self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
+        return out
+
+    def broadcast(self, buf, root=0, *, algo=None):
+        """Every rank's ``buf`` gets root's."""
+        self._check_rank(root, "broadcast root")
+        x = host_array(buf, "broadcast buf", writable=self.rank != root)
+        self._run("broadcast", algo, x, x, x.size, "sum", root, x.nbytes)
+        return buf
+
+    def reduce(self, buf, root=0, op=SUM, *, out=None, algo=None):
+        """Like all_reduce, but only ``root`` gets the result (in ``out``, default ``buf``)."""
+        op = as_op(op)
+        self._check_rank(root, "reduce root")
+        x = host_array(buf, "reduce buf", writable=out is None and self.rank == root)
+        y = x if out is None else self._out(out, x, x.size, "reduce")
+        self._run("reduce", algo, x, y, x.size, op, root, x.nbytes)
+        return buf if out is None else out
+
+    def send(self, buf, peer):
+        """Send ``buf`` to ``peer``, which must call recv with a buffer of the same size and dtype."""
+        self._check_rank(peer, "send peer", not_me=True)
+        x = host_array(buf, "send buf", writable=False)
+        self._p2p("send", p2p.p2p_send(self.rank, self.world_size, peer), x, x)
+
+    def recv(self, buf, peer):
+        """Receive into ``buf`` what ``peer`` sends."""
+        self._check_rank(peer, "recv peer", not_me=True)
+        x = host_array(buf, "recv buf", writable=True)
+        self._p2p("recv", p2p.p2p_recv(self.rank, self.world_size, peer), x, x)
+        return buf
+
+    def barrier(self):
+        """Return once every rank has entered the barrier (a dissemination barrier)."""
+        token = np.zeros(1, np.uint8)
+        self._p2p("barrier", p2p.barrier(self.rank, self.world_size), token, token)
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def close(self):
+        """Release connections, segments and (on the rank that hosts it) the store."""
+        if self._closed:
+            return
+        self._closed = True
+        self._links.close()
+        if self.world_size > 1:
+            self._leave_store()
+        if self._owns_store:
+            self._store.close()
+
+    def _leave_store(self):
+        # Rank 0 hosts the store: it stays up until every rank has closed, so a
+        # slower rank can still look up its peers. After an error, not for long.
+        done = f"{self._prefix}/all_closed"
+        try:
+            if self._store.add(f"{self._prefix}/closed", 1) == self.world_size:
+                self._store.set(done, b"1")
+            if self._owns_store and self.rank == 0:
+                self._store.wait([done], timeout=1.0 if self._broken else min(self.timeout, 60.0))
+        except (RingcommError, OSError):
+            pass  # closing never raises: the job may already be going down
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<ringcomm.Communicator rank {self.rank} of {self.world_size}>"
+
+    # ---- the work ------------------------------------------------------------------------------
+
+    def _run(self, collective, algo, x, y, m, op, root, nbytes):
+        algo = self._pick_algo(collective, algo, nbytes)
+        sched = build_schedule(collective, algo, self.rank, self.world_size, root)
+        self._execute(sched, Call(collective, self._next_seq(), x, y, m, str(op)))
+
+    def _p2p(self, name, sched, x, y):
+        self._execute(sched, Call(name, self._next_seq(), x, y, x.size))
+
+    def _execute(self, sched, call):
+        try:
+            self._executor.run(sched, call)
+        except RingcommError as e:
+            # A failed collective leaves peers and FIFOs in an unknown state: refuse later calls.
+            self._broken = str(e)
+            raise
+
+    def _next_seq(self) -> int:
+        if self._closed:
+            raise CommunicatorClosed(f"rank {self.rank}: the communicator is closed")
+        if self._broken is not None:
+            raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable after an earlier "
+                                     f"error: {self._broken}")
+        self._seq += 1
+        return self._seq
+
+    def _pick_algo(self, collective, algo, nbytes) -> str:
+        choices = ALGOS[collective]
+        if algo is not None:
+            if algo not in choices:
+                raise ValueError(f"{collective} has no algorithm {algo!r}; choose one of {sorted(choices)}")
+            return algo
+        forced = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
+        if forced:
+            return forced if forced in choices else next(iter(choices))
+        if "tree" in choices and self.world_size > 2 and nbytes <= TREE_MAX_BYTES:
+            return "tree"
+        return "ring"
+
+    def _out(self, out, x, size, name) -> np.ndarray:
+        y = host_array(out, f"{name} out", writable=True)
+        same_dtype(x, y, f"{name} buf and out")
+        expect_size(y, size, f"{name} out")
+        if np.shares_memory(x, y) and not _aliases_ok(x, y, name, self.rank):
+            raise ValueError(f"{name}: buf and out overlap without being the same memory")
+        return y
+
+    def _check_rank(self, r, what, not_me=False):
+        if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
+            raise ValueError(f"{what} {r!r} is out of range for world_size {self.world_size}")
+        if not_me and r == self.rank:
+            raise ValueError(f"{what} {r} is this rank itself")
+
+
+def _aliases_ok(x, y, name, rank) -> bool:
+    """In place is allowed where torch allows it: out is buf, or buf is out's own block."""
+    xp, yp = x.__array_interface__["data"][0], y.__array_interface__["data"][0]
+    if name == "all_gather":
+        return xp == yp + rank * x.nbytes
+    return xp == yp and x.size == y.size

@@ -1,0 +1,90 @@
+"""ringcomm.init(): who am I, where is the store, and the Communicator that follows.
+
+The launchers people already use set the environment: torchrun (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT), Open MPI (OMPI_COMM_WORLD_*), Slurm
+(SLURM_PROCID, ...). With none of them, a world of one.
+"""
+from __future__ import annotations
+
+import os
+
+from .comm import Communicator
+from .executor import Executor
+from .links import Links
+from ringcomm.transport.base import LinkContext
+
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_BUFFSIZE = 4 * 1024 * 1024  # bytes of FIFO per connection, like NCCL_BUFFSIZE
+DEFAULT_NSLOTS = 8                  # like NCCL_STEPS
+
+_LAUNCHERS = (  # (rank, world size, local rank) variables, in order of preference
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),  # MPICH's Hydra
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+)
+
+
+def from_environment() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from the first launcher whose variables are set."""
+    env = os.environ
+    for r, w, lr in _LAUNCHERS:
+        if r in env and w in env:
+            return int(env[r]), int(env[w]), int(env.get(lr, env[r]))
+    return 0, 1, 0
+
+
+def _env_number(name, default, kind=float):
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def _store_address() -> tuple[str, int]:
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("RINGCOMM_MASTER_PORT") or os.environ.get("MASTER_PORT")
+    if not port:
+        raise ValueError("a world of several ranks needs MASTER_ADDR and MASTER_PORT (or a store=): "
+                         "start it with ringcomm-run, torchrun or mpirun")
+    port = int(port)
+    if "TORCHELASTIC_RUN_ID" in os.environ and "RINGCOMM_MASTER_PORT" not in os.environ:
+        port += 1  # torchrun's own TCPStore listens on MASTER_PORT
+    return addr, port
+
+
+def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicator:
+    """Join the job and return its Communicator (see README: "The API")."""
+    env_rank, env_world, local_rank = from_environment()
+    rank = env_rank if rank is None else rank
+    world_size = env_world if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
+    timeout = float(timeout) if timeout is not None else _env_number("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT)
+    token = os.environ.get("RINGCOMM_TOKEN", "")
+    owns_store = store is None
+    if store is None:
+        from .store import HashStore, TCPStore
+        if world_size == 1:
+            store = HashStore()
+        else:
+            host, port = _store_address()
+            store = TCPStore(host, port, is_server=rank == 0, token=token, timeout=timeout)
+    # Every rank creates its communicators in the same order, so the k-th one of
+    # each rank gets the same k: a key prefix no other communicator uses.
+    k = store.add(f"ringcomm/comms/{rank}", 1)
+    buffsize = _env_number("RINGCOMM_BUFFSIZE", DEFAULT_BUFFSIZE, int)
+    nslots = _env_number("RINGCOMM_NSLOTS", DEFAULT_NSLOTS, int)
+    slot_bytes = max(64, buffsize // nslots // 64 * 64)
+    ctx = LinkContext(rank=rank, world_size=world_size, store=store, prefix=f"c{k}", token=token,
+                      nslots=nslots, slot_bytes=slot_bytes)
+    links = Links(ctx, timeout)
+    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots)
+    return Communicator(rank, world_size, local_rank, store, links, executor,
+                        timeout=timeout, owns_store=owns_store, prefix=ctx.prefix)

@@ -1,0 +1,106 @@
+"""Which transport joins this rank to each peer, and the connections, made on first use.
+
+Peers on the same host (same boot, same network namespace) use shared memory,
+everything else TCP, as NCCL picks its p2p/shm transports before the network
+(src/transport.cc). RINGCOMM_TRANSPORT=tcp forces sockets everywhere.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+from ringcomm.transport.base import LinkContext, PeerGone, PeerTimeout
+
+from .errors import CollectiveTimeout, PeerFailure, RingcommError, StoreTimeout
+
+TRANSPORTS = ("shm", "tcp")
+
+
+def host_id() -> str:
+    """Equal for two processes exactly when they can share /dev/shm as one host.
+
+    A network namespace counts as a host of its own: containers on one machine
+    (and the tests' namespaces) talk as separate hosts would.
+    """
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()
+    except OSError:
+        boot = "?"
+    try:
+        netns = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        netns = 0
+    return f"{socket.gethostname()}/{boot}/{netns}"
+
+
+def _make_transport(name: str, ctx: LinkContext):
+    if name == "shm":
+        from ringcomm.transport.shm import ShmTransport
+        return ShmTransport(ctx)
+    if name == "tcp":
+        from ringcomm.transport.tcp import TcpTransport
+        return TcpTransport(ctx)
+    raise ValueError(f"unknown transport {name!r}")
+
+
+class Links:
+    """The connections of one communicator, keyed by (peer, "send" | "recv")."""
+
+    def __init__(self, ctx: LinkContext, timeout: float):
+        self.ctx, self.timeout = ctx, timeout
+        self.forced = os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower() or None
+        if self.forced is not None and self.forced not in TRANSPORTS:
+            raise ValueError(f"RINGCOMM_TRANSPORT={self.forced!r}: choose one of {', '.join(TRANSPORTS)}")
+        self.me = host_id()
+        ctx.store.set(f"{ctx.prefix}/host/{ctx.rank}", self.me.encode())
+        self.transports: dict = {}
+        self.conns: dict = {}
+
+    def __call__(self, peer: int, direction: str):
+        conn = self.conns.get((peer, direction))
+        if conn is None:
+            conn = self.conns[(peer, direction)] = self._connect(peer, direction)
+        return conn
+
+    def prepare(self, srcs, dsts) -> None:
+        """Connect everything a schedule needs: all sends first, then all receives
+        (the order that keeps connecting deadlock-free, see Transport)."""
+        for p in sorted(dsts):
+            self(p, "send")
+        for p in sorted(srcs):
+            self(p, "recv")
+
+    def transport_for(self, peer: int) -> str:
+        if self.forced:
+            return self.forced
+        key = f"{self.ctx.prefix}/host/{peer}"
+        theirs = self.ctx.store.get(key, timeout=self.timeout).decode()
+        return "shm" if theirs == self.me else "tcp"
+
+    def _connect(self, peer: int, direction: str):
+        name = "?"
+        try:
+            name = self.transport_for(peer)
+            if name not in self.transports:
+                self.transports[name] = _make_transport(name, self.ctx)
+            t = self.transports[name]
+            deadline = time.monotonic() + self.timeout
+            return t.connect_send(peer, deadline) if direction == "send" else t.connect_recv(peer, deadline)
+        except (PeerTimeout, StoreTimeout) as e:
+            raise CollectiveTimeout(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
+                                    f"({direction}) over {name} within {self.timeout:g} s: {e}") from None
+        except PeerGone as e:
+            raise PeerFailure(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
+                              f"({direction}) over {name}: {e}") from None
+        except OSError as e:
+            raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
+                                f"({direction}) over {name}: {e}") from e
+
+    def close(self) -> None:
+        for conn in self.conns.values():
+            conn.close()
+        self.conns.clear()
+        for t in self.transports.values():
+            t.close()
+        self.transports.clear()

@@ -1,0 +1,123 @@
+"""Real multi-process worlds for tests.
+
+A World is N spawned processes, each holding a Communicator, that run test
+functions on request: starting Python, numpy and the connections once per world
+instead of once per case keeps the collective matrix inside the time budget.
+The test process hosts the store. Every call has a deadline; a world that
+misses one is killed. Closing a world checks that its ranks left no segment in
+/dev/shm.
+"""
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import secrets
+import traceback
+
+from ringcomm.store import TCPStore
+
+SPAWN = mp.get_context("spawn")
+
+
+class WorldError(AssertionError):
+    pass
+
+
+def _worker(rank, n, port, token, env, conn):
+    os.environ.update(env)
+    import ringcomm
+    store = TCPStore("127.0.0.1", port, is_server=False, token=token, timeout=60)
+    comm = ringcomm.init(rank, n, store=store)
+    try:
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            fn, args = msg
+            try:
+                conn.send(("ok", fn(comm, *args)))
+            except BaseException as e:  # noqa: BLE001 - report everything to the test
+                conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        comm.close()
+        store.close()
+
+
+class World:
+    def __init__(self, n: int, env: dict | None = None, timeout: float = 60.0):
+        self.n = n
+        self.job = "t" + secrets.token_hex(4)
+        self.token = secrets.token_hex(8)
+        self.store = TCPStore("127.0.0.1", 0, is_server=True, token=self.token, timeout=timeout)
+        env = {"RINGCOMM_JOB_ID": self.job, "RINGCOMM_TIMEOUT": str(timeout), **(env or {})}
+        self.procs, self.conns = [], []
+        for r in range(n):
+            parent, child = SPAWN.Pipe()
+            p = SPAWN.Process(target=_worker, args=(r, n, self.store.port, self.token, env, child), daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        self.broken = False
+
+    def run(self, fn, *args, timeout: float = 60.0, ranks=None):
+        """fn(comm, *args) on every rank (or those in ``ranks``); returns the per-rank results."""
+        if self.broken:
+            raise WorldError("this world was killed by an earlier failure")
+        ranks = range(self.n) if ranks is None else ranks
+        for r in ranks:
+            self.conns[r].send((fn, args))
+        results, errors = {}, []
+        for r in ranks:
+            if not self.conns[r].poll(timeout):
+                self.kill()
+                raise WorldError(f"rank {r} gave no answer within {timeout} s running {fn.__name__}")
+            status, value = self.conns[r].recv()
+            if status == "ok":
+                results[r] = value
+            else:
+                errors.append(f"rank {r}: {value}")
+        if errors:
+            raise WorldError("\n".join(errors))
+        return [results[r] for r in ranks]
+
+    def kill(self):
+        self.broken = True
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        self._reap()
+
+    def close(self):
+        if not self.broken:
+            for c in self.conns:
+                try:
+                    c.send(None)
+                except OSError:
+                    pass
+        for p in self.procs:
+            p.join(10)
+        self.kill()
+        self.store.close()
+
+    def _reap(self):
+        for p in self.procs:
+            p.join(5)
+        for c in self.conns:
+            c.close()
+        self.conns = [c for c in self.conns if not c.closed]
+
+    def leftovers(self) -> list[str]:
+        return glob.glob(f"/dev/shm/rc-{self.job}-*")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        left = self.leftovers()
+        for path in left:
+            os.unlink(path)
+        if left and exc[0] is None:
+            raise WorldError(f"segments left in /dev/shm: {left}")

@@ -1,0 +1,85 @@
+"""Every collective, on real processes, over both host transports.
+
+World sizes {1, 2, 3, 4, 5, 8} x transports {shm, tcp}; in each world every
+collective x dtype runs once with ops, counts, algorithms, roots and in-place /
+out-of-place cycled (tests/cases.py). Small FIFO slots (RINGCOMM_BUFFSIZE) make
+even 1000 elements cross many slices and rounds.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cases import COUNTS, DTYPES, OPS, run_cases, sample_cases
+from harness import World
+
+WORLDS = [(1, "shm"), (2, "shm"), (3, "shm"), (4, "shm"), (5, "shm"), (8, "shm"),
+          (1, "tcp"), (2, "tcp"), (3, "tcp"), (4, "tcp"), (5, "tcp"), (8, "tcp")]
+SMALL_FIFO = {"RINGCOMM_BUFFSIZE": "4096", "RINGCOMM_NSLOTS": "4"}  # 1 KiB slots
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"n{n}-{t}" for n, t in WORLDS])
+def world(request):
+    n, transport = request.param
+    with World(n, {"RINGCOMM_TRANSPORT": transport, **SMALL_FIFO}, timeout=60) as w:
+        yield w
+
+
+def test_matrix(world):
+    cases = sample_cases(world.n, seed=1000 + world.n, big=1 if world.n >= 5 else 2)
+    failures = world.run(run_cases, cases, timeout=240)
+    assert failures == [[]] * world.n, "\n".join(f for per_rank in failures for f in per_rank)
+
+
+def test_matrix_covers_every_axis():
+    for n in (1, 2, 3, 4, 5, 8):
+        cases = sample_cases(n, seed=1000 + n)
+        for axis, values in (("dtype", DTYPES), ("op", OPS), ("count", COUNTS)):
+            assert {c[axis] for c in cases} == set(values), axis
+        assert {c["root"] for c in cases} == {0, n - 1}
+        assert {c["inplace"] for c in cases} == {True, False}
+        for coll in ("all_reduce", "broadcast", "reduce"):
+            assert {c["algo"] for c in cases if c["collective"] == coll} == {None, "ring", "tree"}
+
+
+def _p2p_and_barrier(comm):
+    n, r = comm.world_size, comm.rank
+    got = np.empty(3000, np.int64)
+    # a ring of sends: even ranks send first, odd ranks receive first, so the chain of waits ends
+    nxt, prev = (r + 1) % n, (r - 1) % n
+    mine = np.arange(3000, dtype=np.int64) * (r + 1)
+    if r % 2 == 0:
+        comm.send(mine, nxt)
+        comm.recv(got, prev)
+    else:
+        comm.recv(got, prev)
+        comm.send(mine, nxt)
+    for _ in range(3):
+        comm.barrier()
+    return bool((got == np.arange(3000) * (prev + 1)).all())
+
+
+@pytest.mark.timeout(120)
+def test_send_recv_and_barrier(world):
+    if world.n < 2:
+        pytest.skip("send/recv needs a peer: world of one")
+    assert world.run(_p2p_and_barrier) == [True] * world.n
+
+
+def _random_floats(comm, algo):
+    """Random floats: the result must be the same on every rank (bit for bit) and within the
+    bound of its reduction order: |err| <= (n - 1) * eps * sum |x_i|."""
+    n = comm.world_size
+    xs = [np.random.default_rng([7, k]).standard_normal(5000).astype(np.float32) for k in range(n)]
+    got = comm.all_reduce(xs[comm.rank].copy(), algo=algo)
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    bound = (n - 1) * np.finfo(np.float32).eps * np.sum([np.abs(x.astype(np.float64)) for x in xs], axis=0)
+    ok = bool((np.abs(got - exact) <= bound + 1e-30).all())
+    return ok, got.tobytes()
+
+
+@pytest.mark.parametrize("algo", ["ring", "tree"])
+def test_random_floats_agree_across_ranks(world, algo):
+    results = world.run(_random_floats, algo)
+    assert all(ok for ok, _ in results)
+    assert len({raw for _, raw in results}) == 1, "ranks disagree on the reduced value"

@@ -1,0 +1,227 @@
+"""Shared-memory transport for peers on the same host.
+
+The sender of each link creates one POSIX shared-memory segment (a file in
+/dev/shm, mode 0600) and publishes its name through the store; the receiver maps
+it. The sender creates because it must never wait for its peer to connect (see
+Transport.connect_send). The segment is a header plus ``nslots`` slots:
+
+    offset   0  magic
+    offset  64  posted    (written only by the sender: slices handed over)
+    offset 128  released  (written only by the receiver: slices given back)
+    offset 192  sender pid, offset 256 receiver pid   (liveness checks)
+    offset 320  closed flags (sender, receiver)        (a clean close, not a crash)
+    offset 512  the byte count of each slot
+    offset HDR  slot 0, slot 1, ...
+
+Each counter has a cache line of its own, so the two sides never write the same
+line. Slot i holds slice number k when k % nslots == i; the sender may fill it
+once posted - released < nslots. Once the sender has mapped the segment the
+sender unlinks its name, so a crash afterwards leaks nothing.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import time
+
+import numpy as np
+
+from .base import (Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
+                   SendConnection, Transport)
+
+MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
+HDR = 4096
+POSTED, RELEASED, SENDER_PID, RECEIVER_PID, CLOSED = 8, 16, 24, 32, 40  # int64 indices
+SIZES = 64
+LIVENESS_PERIOD = 0.5  # seconds between checks that the peer process still exists
+
+# Ordering: a slot's bytes must be visible to the peer before the counter that
+# publishes it moves. x86-64 (TSO) keeps stores in program order, so "copy the
+# data, then store the counter" is enough there. Weaker machines need a fence
+# that numpy cannot express, so refuse them rather than corrupt data silently.
+if platform.machine() not in ("x86_64", "AMD64", "i686", "i386"):  # pragma: no cover
+    raise ImportError(f"ringcomm's shm transport relies on x86 store ordering (TSO); "
+                      f"{platform.machine()} needs memory fences it does not have yet: "
+                      f"use RINGCOMM_TRANSPORT=tcp")
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return True  # not attached yet: nothing to say
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Segment:
+    """A mapped segment: the int64 header words and the slots as uint8 arrays."""
+
+    def __init__(self, name: str, nslots: int, slot_bytes: int, create: bool):
+        self.name = name
+        self.path = "/dev/shm/" + name
+        size = HDR + nslots * slot_bytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        buf = np.frombuffer(self.map, dtype=np.uint8)
+        self.words = buf[:HDR].view(np.int64)
+        self.slots = [buf[HDR + i * slot_bytes: HDR + (i + 1) * slot_bytes] for i in range(nslots)]
+        if create:
+            self.words[0] = MAGIC
+        elif self.words[0] != MAGIC:
+            raise PeerGone(f"shared-memory segment {name} has a foreign layout", peer=-1, transport="shm")
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        self.words = self.slots = None
+        try:
+            self.map.close()
+        except BufferError:  # a caller still holds a view; the mapping dies with the process
+            pass
+
+
+class _Link:
+    """What both ends share: waiting with back-off, liveness, abort."""
+
+    transport = "shm"
+
+    def __init__(self, ctx: LinkContext, peer: int, seg: _Segment, peer_pid_word: int, peer_closed_word: int):
+        self.ctx, self.peer, self.seg = ctx, peer, seg
+        self.nslots, self.slot_bytes = ctx.nslots, ctx.slot_bytes
+        self._peer_pid_word, self._peer_closed_word = peer_pid_word, peer_closed_word
+
+    def _wait(self, ready, deadline: float, what: str) -> None:
+        """Wait until ready() holds; spin, yield, then sleep (see Backoff)."""
+        backoff = Backoff()
+        next_check = 0.0
+        while not ready():
+            backoff()
+            if backoff.n & 63:
+                continue
+            now = time.monotonic()
+            if now >= next_check:
+                self._check_peer(what)
+                next_check = now + LIVENESS_PERIOD
+            if now > deadline:
+                raise PeerTimeout(f"waiting for {what} rank {self.peer} over shm",
+                                  peer=self.peer, transport="shm")
+
+    def _check_peer(self, what: str) -> None:
+        words = self.seg.words
+        if self.ctx.abort is not None and self.ctx.abort.is_set():
+            raise Aborted(f"aborted while waiting for {what} rank {self.peer}", peer=self.peer, transport="shm")
+        if words[self._peer_closed_word]:
+            raise PeerGone(f"rank {self.peer} closed its end of the link while this rank waited for {what} it",
+                           peer=self.peer, transport="shm")
+        pid = int(words[self._peer_pid_word])
+        if not _pid_alive(pid):
+            raise PeerGone(f"rank {self.peer} (pid {pid}) died while this rank waited for {what} it",
+                           peer=self.peer, transport="shm")
+
+
+class ShmSend(_Link, SendConnection):
+    def __init__(self, ctx, peer, seg):
+        super().__init__(ctx, peer, seg, RECEIVER_PID, CLOSED + 1)
+        seg.words[SENDER_PID] = os.getpid()
+        self.posted = 0  # our own copy: only we write POSTED
+        self.unlinked = False
+
+    def acquire(self, deadline: float) -> np.ndarray:
+        words = self.seg.words
+        if not self.unlinked and words[RECEIVER_PID]:
+            self.seg.unlink()  # both ends are mapped: the name is no longer needed
+            self.unlinked = True
+        limit = self.posted - self.nslots
+        if words[RELEASED] <= limit:
+            self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from")
+        return self.seg.slots[self.posted % self.nslots]
+
+    def post(self, nbytes: int) -> None:
+        words = self.seg.words
+        words[SIZES + self.posted % self.nslots] = nbytes
+        self.posted += 1
+        words[POSTED] = self.posted  # after the data and the size: see the TSO note above
+
+    def close(self) -> None:
+        if self.seg.words is not None:
+            self.seg.words[CLOSED] = 1
+            self.seg.unlink()
+            self.seg.close()
+
+
+class ShmRecv(_Link, RecvConnection):
+    def __init__(self, ctx, peer, seg):
+        super().__init__(ctx, peer, seg, SENDER_PID, CLOSED)
+        seg.words[RECEIVER_PID] = os.getpid()
+        self.released = 0
+
+    def wait(self, deadline: float) -> np.ndarray:
+        words = self.seg.words
+        want = self.released
+        if words[POSTED] <= want:
+            self._wait(lambda: words[POSTED] > want, deadline, "the next slice from")
+        i = want % self.nslots
+        return self.seg.slots[i][: int(words[SIZES + i])]
+
+    def release(self) -> None:
+        self.released += 1
+        self.seg.words[RELEASED] = self.released
+
+    def close(self) -> None:
+        if self.seg.words is not None:
+            self.seg.words[CLOSED + 1] = 1
+            self.seg.close()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+    _serial = 0
+
+    def __init__(self, ctx: LinkContext):
+        super().__init__(ctx)
+        self.job = os.environ.get("RINGCOMM_JOB_ID", "x")
+        self.links: list[_Link] = []
+
+    def _key(self, src: int, dst: int) -> str:
+        return f"{self.ctx.prefix}/shm/{src}->{dst}"
+
+    def connect_send(self, peer: int, deadline: float) -> SendConnection:
+        ShmTransport._serial += 1
+        name = f"rc-{self.job}-{os.getpid()}-{ShmTransport._serial}"
+        seg = _Segment(name, self.ctx.nslots, self.ctx.slot_bytes, create=True)
+        conn = ShmSend(self.ctx, peer, seg)
+        self.links.append(conn)
+        self.ctx.store.set(self._key(self.ctx.rank, peer), name.encode())
+        return conn
+
+    def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
+        timeout = max(0.0, deadline - time.monotonic())
+        name = self.ctx.store.get(self._key(peer, self.ctx.rank), timeout=timeout).decode()
+        try:
+            seg = _Segment(name, self.ctx.nslots, self.ctx.slot_bytes, create=False)
+        except FileNotFoundError:
+            raise PeerGone(f"rank {peer}'s segment {name} vanished before this rank mapped it",
+                           peer=peer, transport="shm") from None
+        conn = ShmRecv(self.ctx, peer, seg)
+        self.links.append(conn)
+        return conn
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()
+        self.links.clear()
