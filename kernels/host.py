@@ -41,7 +41,8 @@ AVG. NCCL (src/enqueue.cc, hostToDevRedOp) lowers ncclAvg per type:
 - float types -> ncclDevPreMulSum with scalar 1/nRanks rounded to the type: every input is multiplied by
   that scalar before the sum (one more rounding per input, and 1/n itself is inexact). Our spec differs on
   purpose: floats sum, then the finished value is divided by n once; float16 and bfloat16 divide in float32
-  and round once, which gives the correctly rounded quotient.
+  and round once, which gives the correctly rounded quotient. (Newest NCCL also has a float FuncSumPostDiv,
+  for its symmetric kernels, whose post-op multiplies the finished sum by 1/n rather than dividing.)
 """
 import threading
 
@@ -126,17 +127,20 @@ def postprocess(arr, op, n):
 
 
 def _int_avg(arr, n):
-    # NCCL's FuncSumPostDiv::divide: magnitude in the unsigned type, exact divide, sign back.
+    # NCCL's FuncSumPostDiv::divide: magnitude in the unsigned type, exact divide, sign back. Branch-free
+    # with m = x >> (bits-1) (all ones iff x < 0): |x| = (x ^ m) - m, and back the same way.
     u = arr.view(arr.dtype.str.replace("i", "u"))
     if n > np.iinfo(u.dtype).max:               # every |sum| < n: quotient 0 (NCCL: recip 0, then fix-up)
         u[...] = 0
     elif arr.dtype.kind == "u":
         np.floor_divide(u, n, out=u)
     else:
-        neg = arr < 0
-        mag = np.where(neg, np.negative(u), u)  # unsigned negate wraps: INT_MIN -> 2**(bits-1)
-        np.floor_divide(mag, n, out=mag)
-        np.copyto(u, np.where(neg, np.negative(mag), mag))
+        m = np.right_shift(arr, 8 * arr.itemsize - 1).view(u.dtype)
+        for step in (np.bitwise_xor, np.subtract):      # unsigned: INT_MIN -> 2**(bits-1), wraps silently
+            step(u, m, out=u)
+        np.floor_divide(u, n, out=u)
+        for step in (np.bitwise_xor, np.subtract):
+            step(u, m, out=u)
 
 
 def reference_reduce(arrays, op):

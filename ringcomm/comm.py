@@ -104,6 +104,11 @@ class Communicator:
         token = np.zeros(1, np.uint8)
         self._p2p("barrier", p2p.barrier(self.rank, self.world_size), token, token)
 
+    def transport_to(self, peer) -> str:
+        """The transport that joins this rank to ``peer`` ("shm" or "tcp")."""
+        self._check_rank(peer, "peer", not_me=True)
+        return self._links.transport_for(peer)
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def close(self):
@@ -152,8 +157,10 @@ class Communicator:
         try:
             self._executor.run(sched, call)
         except RingcommError as e:
-            # A failed collective leaves peers and FIFOs in an unknown state: refuse later calls.
+            # A failed collective leaves peers and FIFOs in an unknown state: refuse later
+            # calls, and close the links so the peers waiting on this rank learn it now.
             self._broken = str(e)
+            self._links.close()
             raise
 
     def _next_seq(self) -> int:

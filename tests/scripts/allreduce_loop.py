@@ -1,0 +1,24 @@
+"""Runs 64 MiB all_reduces until stopped; writes its pid to $PID_DIR/rank<R> once the first one is done.
+
+Used by the failure tests: one rank is SIGKILLed mid-collective and the others must
+report it and exit rather than hang.
+"""
+import os
+import sys
+
+import numpy as np
+
+import ringcomm
+
+comm = ringcomm.init()
+x = np.ones(16 << 20, dtype=np.float32)  # 64 MiB
+comm.all_reduce(x)
+with open(os.path.join(os.environ["PID_DIR"], f"rank{comm.rank}"), "w") as f:
+    f.write(str(os.getpid()))
+try:
+    for _ in range(int(os.environ.get("ITERATIONS", "1000"))):
+        comm.all_reduce(x)
+except ringcomm.RingcommError as e:
+    print(f"ERROR {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
+comm.close()

@@ -1,0 +1,74 @@
+"""Two hosts for real: two network namespaces joined by a veth pair, two ranks on each.
+
+Processes in different network namespaces count as different hosts (ringcomm.links.host_id),
+so ranks across the pair talk TCP over the veth while ranks on one side use shared memory.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts.py")
+SUBNET = "10.250.{}.{}"  # addresses live only on this test's own veth pair
+
+
+def _ip(*args, check=True):
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+@pytest.fixture
+def two_hosts():
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2's `ip` is not installed")
+    tag = secrets.token_hex(3)
+    a, b = f"rca{tag}", f"rcb{tag}"
+    net = secrets.randbelow(200) + 20
+    made = []
+    try:
+        for ns in (a, b):
+            r = _ip("netns", "add", ns, check=False)
+            if r.returncode != 0:
+                pytest.skip(f"cannot create network namespaces here: {r.stderr.strip()}")
+            made.append(ns)
+        _ip("link", "add", f"va{tag}", "netns", a, "type", "veth", "peer", "name", f"vb{tag}", "netns", b)
+        for ns, dev, host in ((a, f"va{tag}", 1), (b, f"vb{tag}", 2)):
+            _ip("-n", ns, "addr", "add", SUBNET.format(net, host) + "/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield (a, f"va{tag}", SUBNET.format(net, 1)), (b, f"vb{tag}", SUBNET.format(net, 2))
+    finally:
+        for ns in made:
+            _ip("netns", "delete", ns, check=False)
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_two_hosts_over_veth(two_hosts):
+    (ns_a, dev_a, addr_a), (ns_b, _, _) = two_hosts
+    token = secrets.token_hex(8)
+    procs = []
+    for node, ns in enumerate((ns_a, ns_b)):
+        env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_TIMEOUT="30",
+                   RINGCOMM_JOB_ID=f"veth{node}{token[:6]}", RINGCOMM_BUFFSIZE="65536")
+        if node == 0:
+            env["RINGCOMM_SOCKET_IFNAME"] = dev_a  # one side by interface name, the other by route
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "2", "--nnodes", "2",
+               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29517", "--grace", "5", SCRIPT]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    text = "\n".join(outs)
+    assert [p.returncode for p in procs] == [0, 0], text
+    assert text.count("OK") == 4, text
