@@ -13,27 +13,29 @@ import pytest
 from cases import COUNTS, DTYPES, OPS, run_cases, sample_cases
 from harness import World
 
-WORLDS = [(1, "shm"), (2, "shm"), (3, "shm"), (4, "shm"), (5, "shm"), (8, "shm"),
-          (1, "tcp"), (2, "tcp"), (3, "tcp"), (4, "tcp"), (5, "tcp"), (8, "tcp")]
 SMALL_FIFO = {"RINGCOMM_BUFFSIZE": "4096", "RINGCOMM_NSLOTS": "4"}  # 1 KiB slots
+DEFAULT_FIFO: dict = {}
+WORLDS = [(n, t, "small") for t in ("shm", "tcp") for n in (1, 2, 3, 4, 5, 8)] + [(3, "shm", "default")]
 
 
-@pytest.fixture(scope="module", params=WORLDS, ids=[f"n{n}-{t}" for n, t in WORLDS])
+@pytest.fixture(scope="module", params=WORLDS, ids=[f"n{n}-{t}-{f}" for n, t, f in WORLDS])
 def world(request):
-    n, transport = request.param
-    with World(n, {"RINGCOMM_TRANSPORT": transport, **SMALL_FIFO}, timeout=60) as w:
+    n, transport, fifo = request.param
+    env = {"RINGCOMM_TRANSPORT": transport, **(SMALL_FIFO if fifo == "small" else DEFAULT_FIFO)}
+    with World(n, env, timeout=60) as w:
         yield w
 
 
-def test_matrix(world):
-    cases = sample_cases(world.n, seed=1000 + world.n, big=1 if world.n >= 5 else 2)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_matrix(world, seed):
+    cases = sample_cases(world.n, seed=1000 * seed + world.n, big=1)
     failures = world.run(run_cases, cases, timeout=240)
     assert failures == [[]] * world.n, "\n".join(f for per_rank in failures for f in per_rank)
 
 
 def test_matrix_covers_every_axis():
     for n in (1, 2, 3, 4, 5, 8):
-        cases = sample_cases(n, seed=1000 + n)
+        cases = sample_cases(n, seed=1000 + n, big=1)
         for axis, values in (("dtype", DTYPES), ("op", OPS), ("count", COUNTS)):
             assert {c[axis] for c in cases} == set(values), axis
         assert {c["root"] for c in cases} == {0, n - 1}

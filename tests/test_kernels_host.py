@@ -163,7 +163,10 @@ def test_integer_overflow_wraps_silently():
         assert H.reference_reduce([a, b], op).tolist() == [want] * 9, (dt, op)
 
 
-@pytest.mark.parametrize("dt", [F16, BF16, np.dtype(np.float32), np.dtype(np.float64)], ids=ids([F16, BF16, "f4", "f8"]))
+FLOATS = [F16, BF16, np.dtype(np.float32), np.dtype(np.float64)]
+
+
+@pytest.mark.parametrize("dt", FLOATS, ids=ids(FLOATS))
 def test_nan_and_inf(dt):
     nan, inf, big = np.nan, np.inf, float(ml_dtypes.finfo(dt).max)
     a = np.array([inf, nan, inf, big, 1.0, nan, nan, -inf, 0.0], dt)
@@ -172,7 +175,8 @@ def test_nan_and_inf(dt):
     def run(op):
         return H.reduce_copy(np.empty_like(a), a, b, op).astype(np.float64).tolist()
 
-    same = lambda got, want: all(g == w or (g != g and w != w) for g, w in zip(got, want))  # noqa: E731
+    def same(got, want):
+        return all(g == w or (g != g and w != w) for g, w in zip(got, want))
     assert same(run("sum"), [nan, nan, inf, inf, nan, nan, nan, nan, inf])
     assert same(run("prod"), [-inf, nan, inf, inf, nan, nan, nan, nan, nan])
     # NCCL's fminf/fmaxf (and __hmin/__hmax): a NaN operand loses; NaN only if both are NaN
