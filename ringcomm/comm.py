@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import os
+import threading
 from functools import lru_cache
 
 import numpy as np
 
+from . import check
 from .buffers import expect_size, host_array, same_dtype
 from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
@@ -39,9 +41,12 @@ class Communicator:
         self._prefix = prefix
         self._store, self._links, self._executor = store, links, executor
         self._owns_store = owns_store
-        self._seq = 0
+        self._seq = 0          # every call, for messages
+        self._ordinal = 0      # collectives only (all ranks call them), for RINGCOMM_DEBUG=check
         self._broken: str | None = None
         self._closed = False
+        self._lock = threading.Lock()  # guards _in_flight against abort() from another thread
+        self._in_flight = False
 
     # ---- collectives -------------------------------------------------------------------------
 
@@ -102,7 +107,9 @@ class Communicator:
     def barrier(self):
         """Return once every rank has entered the barrier (a dissemination barrier)."""
         token = np.zeros(1, np.uint8)
-        self._p2p("barrier", p2p.barrier(self.rank, self.world_size), token, token)
+        seq = self._next_seq()
+        self._fingerprint("barrier", "dissemination", token, token.size, "sum", None, seq)
+        self._execute(p2p.barrier(self.rank, self.world_size), Call("barrier", seq, token, token, 1))
 
     def transport_to(self, peer) -> str:
         """The transport that joins this rank to ``peer`` ("shm" or "tcp")."""
@@ -110,6 +117,16 @@ class Communicator:
         return self._links.transport_for(peer)
 
     # ---- lifecycle ---------------------------------------------------------------------------
+
+    def abort(self):
+        """Wake every wait of this communicator, from any thread; the call in flight raises and
+        every later call is refused. Peers see this rank's links close and fail too."""
+        self._links.ctx.abort.set()
+        with self._lock:
+            if self._broken is None:
+                self._broken = "comm.abort() was called"
+            if not self._in_flight:
+                self._links.close()
 
     def close(self):
         """Release connections, segments and (on the rank that hosts it) the store."""
@@ -148,20 +165,39 @@ class Communicator:
     def _run(self, collective, algo, x, y, m, op, root, nbytes):
         algo = self._pick_algo(collective, algo, nbytes)
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
-        self._execute(sched, Call(collective, self._next_seq(), x, y, m, str(op)))
+        seq = self._next_seq()
+        self._fingerprint(collective, algo, x, m, op, root, seq)
+        self._execute(sched, Call(collective, seq, x, y, m, str(op)))
+
+    def _fingerprint(self, collective, algo, x, m, op, root, seq):
+        self._ordinal += 1
+        if not check.enabled() or self.world_size == 1:
+            return
+        mine = check.fingerprint(collective, x.dtype, op, algo, root, m, self._ordinal)
+        every = np.empty(mine.size * self.world_size, np.uint8)
+        gather = build_schedule("all_gather", "ring", self.rank, self.world_size, None)
+        self._execute(gather, Call(f"{collective} (fingerprint)", seq, mine, every, mine.size))
+        check.compare(self.rank, every, self.world_size)
 
     def _p2p(self, name, sched, x, y):
         self._execute(sched, Call(name, self._next_seq(), x, y, x.size))
 
     def _execute(self, sched, call):
+        with self._lock:
+            if self._broken is not None:  # abort() may have come after _next_seq
+                raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
+            self._in_flight = True
         try:
             self._executor.run(sched, call)
         except RingcommError as e:
             # A failed collective leaves peers and FIFOs in an unknown state: refuse later
             # calls, and close the links so the peers waiting on this rank learn it now.
-            self._broken = str(e)
+            with self._lock:
+                self._broken = self._broken or str(e)
             self._links.close()
             raise
+        finally:
+            self._in_flight = False
 
     def _next_seq(self) -> int:
         if self._closed:

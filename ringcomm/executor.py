@@ -57,6 +57,9 @@ class Executor:
         self.rank, self.world_size = rank, world_size
         self.links = links  # links(peer, "send" | "recv") -> Connection; links.prepare(srcs, dsts)
         self.timeout, self.slot_bytes, self.nslots = timeout, slot_bytes, nslots
+        self.watchdog = None  # ringcomm.watchdog.Watchdog, told of every failure
+        # Where this rank is, for the watchdog's table: plain attributes, cheap to keep current.
+        self._call, self._step, self._nsteps, self._waiting = None, 0, 0, None
 
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:
@@ -67,9 +70,10 @@ class Executor:
         chunk_elems = slot_elems * max(1, self.nslots // 2)
         round_elems = chunk_elems * (sched.nchunks if sched.in_layout == SPLIT else 1)
         nslice = 0
+        self._call, self._nsteps = call, len(sched.steps)
         for a in range(0, call.m, round_elems):
             b = min(a + round_elems, call.m)
-            for step in sched.steps:
+            for self._step, step in enumerate(sched.steps):
                 io, n = chunk_span(sched.in_layout, sched.nchunks, step.chunk, a, b, call.m)
                 oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, a, b, call.m)
                 for s in range(0, n, slot_elems):
@@ -94,8 +98,10 @@ class Executor:
             self.links(p, "send").post(k * call.inp.itemsize)
 
     def _wait(self, peer, call, k, nslice) -> np.ndarray:
+        t0 = time.monotonic()
+        self._waiting = (peer, "recv", nslice, t0)
         try:
-            data = self.links(peer, "recv").wait(time.monotonic() + self.timeout)
+            data = self.links(peer, "recv").wait(t0 + self.timeout)
         except (PeerTimeout, PeerGone, Aborted) as e:
             raise self._explain(e, f"waiting for slice {nslice} of {call.name} #{call.seq} from") from None
         if data.size != k * call.inp.itemsize:
@@ -106,8 +112,10 @@ class Executor:
         return data.view(call.inp.dtype)
 
     def _acquire(self, peer, call, k, nslice) -> np.ndarray:
+        t0 = time.monotonic()
+        self._waiting = (peer, "send", nslice, t0)
         try:
-            slot = self.links(peer, "send").acquire(time.monotonic() + self.timeout)
+            slot = self.links(peer, "send").acquire(t0 + self.timeout)
         except (PeerTimeout, PeerGone, Aborted) as e:
             raise self._explain(e, f"waiting to send slice {nslice} of {call.name} #{call.seq} to") from None
         return slot[: k * call.inp.itemsize].view(call.inp.dtype)
@@ -115,11 +123,27 @@ class Executor:
     def _explain(self, e, doing: str) -> RingcommError:
         me = f"rank {self.rank} (this process)"
         if isinstance(e, PeerTimeout):
-            return CollectiveTimeout(f"{me} timed out after {self.timeout:g} s {doing} rank {e.peer} "
-                                     f"over {e.transport}")
-        if isinstance(e, Aborted):
-            return RingcommError(f"{me} was aborted {doing} rank {e.peer} over {e.transport}")
-        return PeerFailure(f"{me} failed {doing} rank {e.peer} over {e.transport}: {e}")
+            kind, state = CollectiveTimeout, "timed out"
+            msg = f"{me} timed out after {self.timeout:g} s {doing} rank {e.peer} over {e.transport}"
+        elif isinstance(e, Aborted):
+            kind, state = RingcommError, "aborted"
+            msg = f"{me} was aborted {doing} rank {e.peer} over {e.transport}"
+        else:
+            kind, state = PeerFailure, "failed"
+            msg = f"{me} failed {doing} rank {e.peer} over {e.transport}: {e}"
+        table = self.watchdog.on_failure(state, msg) if self.watchdog is not None else ""
+        return kind(f"{msg}\nwhere every rank was:\n{table}" if table else msg)
+
+    def position(self) -> dict:
+        """Where this rank is now (for the watchdog)."""
+        call = self._call
+        if call is None:
+            return {}
+        where = {"collective": call.name, "seq": call.seq, "step": self._step, "nsteps": self._nsteps}
+        if self._waiting is not None:
+            peer, direction, nslice, t0 = self._waiting
+            where.update(peer=peer, direction=direction, slice=nslice, **{"for": time.monotonic() - t0})
+        return where
 
 
 def _same(x: np.ndarray, y: np.ndarray) -> bool:

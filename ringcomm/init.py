@@ -6,11 +6,15 @@ LOCAL_RANK, MASTER_ADDR, MASTER_PORT), Open MPI (OMPI_COMM_WORLD_*), Slurm
 """
 from __future__ import annotations
 
+import atexit
 import os
+import signal
+import threading
 
 from .comm import Communicator
 from .executor import Executor
 from .links import Links
+from .watchdog import Watchdog
 from ringcomm.transport.base import LinkContext
 
 DEFAULT_TIMEOUT = 300.0
@@ -59,6 +63,32 @@ def _store_address() -> tuple[str, int]:
     return addr, port
 
 
+_cleanup_installed = False
+
+
+def _clean_shm_on_exit() -> None:
+    """Unlink this process's /dev/shm names at exit and on SIGTERM. A handler the program
+    installed itself is left alone; ours cleans up, then dies of SIGTERM as before."""
+    global _cleanup_installed
+    from ringcomm.transport.shm import unlink_named
+
+    if _cleanup_installed:
+        return
+    _cleanup_installed = True
+    atexit.register(unlink_named)
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum, frame):
+        unlink_named()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicator:
     """Join the job and return its Communicator (see README: "The API")."""
     env_rank, env_world, local_rank = from_environment()
@@ -69,6 +99,8 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
     timeout = float(timeout) if timeout is not None else _env_number("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT)
     token = os.environ.get("RINGCOMM_TOKEN", "")
     owns_store = store is None
+    if world_size > 1:
+        _clean_shm_on_exit()
     if store is None:
         from .store import HashStore, TCPStore
         if world_size == 1:
@@ -82,9 +114,11 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
     buffsize = _env_number("RINGCOMM_BUFFSIZE", DEFAULT_BUFFSIZE, int)
     nslots = _env_number("RINGCOMM_NSLOTS", DEFAULT_NSLOTS, int)
     slot_bytes = max(64, buffsize // nslots // 64 * 64)
+    watchdog = Watchdog(rank, world_size, store, f"c{k}")
     ctx = LinkContext(rank=rank, world_size=world_size, store=store, prefix=f"c{k}", token=token,
-                      nslots=nslots, slot_bytes=slot_bytes)
+                      nslots=nslots, slot_bytes=slot_bytes, abort=threading.Event(), watchdog=watchdog)
     links = Links(ctx, timeout)
     executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots)
+    executor.watchdog, watchdog.position = watchdog, executor.position
     return Communicator(rank, world_size, local_rank, store, links, executor,
                         timeout=timeout, owns_store=owns_store, prefix=ctx.prefix)

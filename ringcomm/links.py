@@ -2,7 +2,8 @@
 
 Peers on the same host (same boot, same network namespace) use shared memory,
 everything else TCP, as NCCL picks its p2p/shm transports before the network
-(src/transport.cc). RINGCOMM_TRANSPORT=tcp forces sockets everywhere.
+(src/transport.cc). Between hosts, ibverbs (RDMA) when both ends have an active
+RDMA port, else TCP. RINGCOMM_TRANSPORT=tcp|shm|ibverbs forces one everywhere.
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import time
 
 from ringcomm.transport.base import LinkContext, PeerGone, PeerTimeout
 
-from .errors import CollectiveTimeout, PeerFailure, RingcommError, StoreTimeout
+from .errors import CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreTimeout
 
-TRANSPORTS = ("shm", "tcp")
+TRANSPORTS = ("shm", "tcp", "ibverbs")
 
 
 def host_id() -> str:
@@ -41,7 +42,18 @@ def _make_transport(name: str, ctx: LinkContext):
     if name == "tcp":
         from ringcomm.transport.tcp import TcpTransport
         return TcpTransport(ctx)
+    if name == "ibverbs":
+        from ringcomm.transport.ibverbs import IbverbsTransport
+        return IbverbsTransport(ctx)
     raise ValueError(f"unknown transport {name!r}")
+
+
+def _rdma_usable(forced: str | None, rank: int) -> bool:
+    from ringcomm.transport.ibverbs import unavailable
+    why = unavailable()
+    if why is not None and forced == "ibverbs":
+        raise RingcommError(f"RINGCOMM_TRANSPORT=ibverbs, but rank {rank} (this process) cannot use RDMA: {why}")
+    return why is None
 
 
 class Links:
@@ -54,12 +66,19 @@ class Links:
             raise ValueError(f"RINGCOMM_TRANSPORT={self.forced!r}: choose one of {', '.join(TRANSPORTS)}")
         self.me = host_id()
         ctx.store.set(f"{ctx.prefix}/host/{ctx.rank}", self.me.encode())
+        self.rdma = (self.forced in (None, "ibverbs") and ctx.world_size > 1
+                     and _rdma_usable(self.forced, ctx.rank))
+        ctx.store.set(f"{ctx.prefix}/rdma/{ctx.rank}", b"1" if self.rdma else b"0")
         self.transports: dict = {}
         self.conns: dict = {}
+        self.kinds: dict[int, str] = {}
+        self.closed = False
 
     def __call__(self, peer: int, direction: str):
         conn = self.conns.get((peer, direction))
         if conn is None:
+            if self.closed:
+                raise CommunicatorClosed(f"rank {self.ctx.rank}: this communicator's links are closed")
             conn = self.conns[(peer, direction)] = self._connect(peer, direction)
         return conn
 
@@ -74,9 +93,17 @@ class Links:
     def transport_for(self, peer: int) -> str:
         if self.forced:
             return self.forced
-        key = f"{self.ctx.prefix}/host/{peer}"
-        theirs = self.ctx.store.get(key, timeout=self.timeout).decode()
-        return "shm" if theirs == self.me else "tcp"
+        if peer not in self.kinds:
+            key = f"{self.ctx.prefix}/host/{peer}"
+            theirs = self.ctx.store.get(key, timeout=self.timeout).decode()
+            self.kinds[peer] = "shm" if theirs == self.me else self._network(peer)
+        return self.kinds[peer]
+
+    def _network(self, peer: int) -> str:
+        """ibverbs when both ends have an RDMA port (both decide alike), else tcp."""
+        if self.rdma and self.ctx.store.get(f"{self.ctx.prefix}/rdma/{peer}", timeout=self.timeout) == b"1":
+            return "ibverbs"
+        return "tcp"
 
     def _connect(self, peer: int, direction: str):
         name = "?"
@@ -93,11 +120,12 @@ class Links:
         except PeerGone as e:
             raise PeerFailure(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                               f"({direction}) over {name}: {e}") from None
-        except OSError as e:
+        except (OSError, ImportError, LookupError) as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                 f"({direction}) over {name}: {e}") from e
 
     def close(self) -> None:
+        self.closed = True
         for conn in self.conns.values():
             conn.close()
         self.conns.clear()

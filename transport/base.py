@@ -68,6 +68,12 @@ class LinkContext:
     nslots: int = 8
     slot_bytes: int = 512 * 1024
     abort: Any = None  # a threading.Event; when set, every wait raises Aborted
+    # Called from inside waits that last, at most every PATROL_PERIOD seconds: the
+    # core uses it to answer "where are you?" when another rank times out.
+    watchdog: Any = None
+
+
+PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
 
 
 class SendConnection:

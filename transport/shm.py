@@ -27,14 +27,13 @@ import time
 
 import numpy as np
 
-from .base import (Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
+from .base import (PATROL_PERIOD, Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
                    SendConnection, Transport)
 
 MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
 HDR = 4096
 POSTED, RELEASED, SENDER_PID, RECEIVER_PID, CLOSED = 8, 16, 24, 32, 40  # int64 indices
 SIZES = 64
-LIVENESS_PERIOD = 0.5  # seconds between checks that the peer process still exists
 
 # Ordering: a slot's bytes must be visible to the peer before the counter that
 # publishes it moves. x86-64 (TSO) keeps stores in program order, so "copy the
@@ -44,6 +43,38 @@ if platform.machine() not in ("x86_64", "AMD64", "i686", "i386"):  # pragma: no 
     raise ImportError(f"ringcomm's shm transport relies on x86 store ordering (TSO); "
                       f"{platform.machine()} needs memory fences it does not have yet: "
                       f"use RINGCOMM_TRANSPORT=tcp")
+
+
+# Segments this process created whose names are still in /dev/shm: unlinked on
+# close, when the peer maps them, at exit, and on SIGTERM (see ringcomm.init).
+_NAMED: set[str] = set()
+
+
+def unlink_named() -> None:
+    """Remove every name this process still holds in /dev/shm (safe in a signal handler)."""
+    for path in list(_NAMED):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        _NAMED.discard(path)
+
+
+def remove_stale(job: str) -> list[str]:
+    """Remove segments of ``job`` whose creator (the pid in the name) is dead: what a
+    SIGKILLed rank of an earlier run left behind."""
+    removed = []
+    for name in os.listdir("/dev/shm"):
+        parts = name.split("-")
+        if len(parts) != 4 or parts[0] != "rc" or parts[1] != job or not parts[2].isdigit():
+            continue
+        if not _pid_alive(int(parts[2])):
+            try:
+                os.unlink("/dev/shm/" + name)
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
 
 
 def _pid_alive(pid: int) -> bool:
@@ -69,6 +100,7 @@ class _Segment:
         fd = os.open(self.path, flags, 0o600)
         try:
             if create:
+                _NAMED.add(self.path)
                 os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         finally:
@@ -82,6 +114,9 @@ class _Segment:
             raise PeerGone(f"shared-memory segment {name} has a foreign layout", peer=-1, transport="shm")
 
     def unlink(self) -> None:
+        if self.path not in _NAMED:
+            return
+        _NAMED.discard(self.path)
         try:
             os.unlink(self.path)
         except FileNotFoundError:
@@ -108,23 +143,26 @@ class _Link:
     def _wait(self, ready, deadline: float, what: str) -> None:
         """Wait until ready() holds; spin, yield, then sleep (see Backoff)."""
         backoff = Backoff()
-        next_check = 0.0
+        abort, watchdog = self.ctx.abort, self.ctx.watchdog
+        next_patrol = time.monotonic() + PATROL_PERIOD
         while not ready():
             backoff()
             if backoff.n & 63:
                 continue
+            if abort is not None and abort.is_set():
+                raise Aborted(f"aborted while waiting for {what} rank {self.peer}", peer=self.peer, transport="shm")
             now = time.monotonic()
-            if now >= next_check:
+            if now >= next_patrol:
                 self._check_peer(what)
-                next_check = now + LIVENESS_PERIOD
+                if watchdog is not None:
+                    watchdog()
+                next_patrol = now + PATROL_PERIOD
             if now > deadline:
                 raise PeerTimeout(f"waiting for {what} rank {self.peer} over shm",
                                   peer=self.peer, transport="shm")
 
     def _check_peer(self, what: str) -> None:
         words = self.seg.words
-        if self.ctx.abort is not None and self.ctx.abort.is_set():
-            raise Aborted(f"aborted while waiting for {what} rank {self.peer}", peer=self.peer, transport="shm")
         if words[self._peer_closed_word]:
             raise PeerGone(f"rank {self.peer} closed its end of the link while this rank waited for {what} it",
                            peer=self.peer, transport="shm")
@@ -196,6 +234,7 @@ class ShmTransport(Transport):
         super().__init__(ctx)
         self.job = os.environ.get("RINGCOMM_JOB_ID", "x")
         self.links: list[_Link] = []
+        remove_stale(self.job)
 
     def _key(self, src: int, dst: int) -> str:
         return f"{self.ctx.prefix}/shm/{src}->{dst}"

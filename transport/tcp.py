@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from .base import (Aborted, LinkContext, PeerGone, PeerTimeout, RecvConnection,
+from .base import (PATROL_PERIOD, Aborted, LinkContext, PeerGone, PeerTimeout, RecvConnection,
                    SendConnection, Transport)
 
 log = logging.getLogger("ringcomm.transport.tcp")
@@ -108,10 +108,15 @@ def _left(deadline: float, ctx: LinkContext, peer: int, what: str) -> float:
 
 
 def _wait(cv: threading.Condition, ready, deadline: float, ctx: LinkContext, peer: int, what: str):
-    """With ``cv`` held, wait until ready() is true (see _left for the errors)."""
+    """With ``cv`` held, wait until ready() is true (see _left for the errors); a wait
+    that lasts calls ctx.watchdog every PATROL_PERIOD."""
+    next_patrol = time.monotonic() + PATROL_PERIOD
     while not ready():
         left = _left(deadline, ctx, peer, what)
-        cv.wait(left if ctx.abort is None else min(left, ABORT_POLL))
+        cv.wait(left if ctx.abort is None and ctx.watchdog is None else min(left, ABORT_POLL))
+        if ctx.watchdog is not None and time.monotonic() >= next_patrol:
+            ctx.watchdog()
+            next_patrol = time.monotonic() + PATROL_PERIOD
 
 
 class _Link:

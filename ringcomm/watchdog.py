@@ -1,0 +1,89 @@
+"""Who waits for whom: when a rank times out, every rank says where it is.
+
+Each rank's executor always knows its position (collective, sequence number,
+step, slice, the peer it waits on). Nothing is sent while things go well. When
+a wait times out, the rank publishes its position in the store and, if it is
+the first to time out, raises a flag there; every rank that is itself stuck in
+a wait notices the flag at its next patrol (transport.base.PATROL_PERIOD) and
+publishes its own position. The first rank then prints one table of all ranks,
+so the stuck one is visible at once: it is the rank whose row says "no answer"
+(stopped, dead, or busy outside ringcomm) or the one everybody waits for.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from .errors import RingcommError
+
+GATHER_SECONDS = 3.0  # how long the first rank waits for the others' positions
+
+
+class Watchdog:
+    def __init__(self, rank: int, world_size: int, store, prefix: str):
+        self.rank, self.world_size, self.store = rank, world_size, store
+        self.prefix = prefix
+        self.position = None  # set by the executor: a callable returning a dict
+        self._answered = 0
+
+    def _key(self, name: str) -> str:
+        return f"{self.prefix}/watchdog/{name}"
+
+    def __call__(self) -> None:
+        """Patrol, from inside a slow wait: answer a dump request once."""
+        try:
+            flag = self.store.add(self._key("dump"), 0)
+            if flag > self._answered:
+                self._answered = flag
+                self._publish("waiting")
+        except (RingcommError, OSError):
+            pass  # the store may be gone with rank 0; the wait's own deadline still holds
+
+    def _publish(self, state: str, detail: str = "") -> None:
+        where = dict(self.position() if self.position else {}, state=state, detail=detail)
+        self.store.set(self._key(f"pos/{self.rank}"), json.dumps(where))
+
+    def on_failure(self, state: str, detail: str) -> str:
+        """Record this rank's failure; if it is the first timeout, return the table of all ranks."""
+        try:
+            self._publish(state, detail)
+            if state != "timed out" or self.store.add(self._key("timeouts"), 1) != 1:
+                return ""
+            self.store.add(self._key("dump"), 1)
+            table = format_table(self._gather(), self.world_size)
+        except (RingcommError, OSError) as e:
+            return f"(could not collect the other ranks' positions: {e})"
+        sys.stderr.write(f"ringcomm: rank {self.rank} timed out first; where every rank is:\n{table}\n")
+        sys.stderr.flush()
+        return table
+
+    def _gather(self) -> dict[int, dict]:
+        deadline = time.monotonic() + GATHER_SECONDS
+        found = {}
+        for r in range(self.world_size):
+            try:
+                raw = self.store.get(self._key(f"pos/{r}"), timeout=max(0.0, deadline - time.monotonic()))
+                found[r] = json.loads(raw)
+            except RingcommError:
+                continue
+        return found
+
+
+def format_table(positions: dict[int, dict], world_size: int) -> str:
+    lines = [f"  {'rank':>4}  {'state':<10} {'collective':<22} {'step':>7} {'slice':>6}  waiting for"]
+    for r in range(world_size):
+        p = positions.get(r)
+        if p is None:
+            lines.append(f"  {r:>4}  no answer: stopped, dead, or busy outside ringcomm")
+            continue
+        coll = f"{p.get('collective', '-')} #{p.get('seq', '-')}"
+        step = f"{p.get('step', '-')}/{p.get('nsteps', '-')}"
+        peer = p.get("peer")
+        if peer is None:
+            waits = "-"
+        else:
+            what = "a free slot at" if p.get("direction") == "send" else "data from"
+            waits = f"{what} rank {peer} for {p.get('for', 0):.1f} s"
+        lines.append(f"  {r:>4}  {p['state']:<10} {coll:<22} {step:>7} {p.get('slice', '-'):>6}  {waits}")
+    return "\n".join(lines)
