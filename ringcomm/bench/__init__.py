@@ -1,0 +1,1 @@
+"""ringcomm-bench: nccl-tests for ringcomm, with gloo / MPI / NCCL peers side by side."""

@@ -1,0 +1,202 @@
+"""`ringcomm-bench`: nccl-tests' all_reduce_perf and friends for ringcomm, with peers side by side.
+
+    ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
+                   --warmup W --check [--algo A] [--transport T] [--json FILE] [--plot FILE.png]
+                   [--peer gloo|mpi|nccl]...
+
+It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one job after the
+other), and prints one table whose rows gain each peer's out-of-place time, busbw and the ratio
+ringcomm / peer. Exit status 1 when any result was wrong (or ringcomm failed), 2 for bad arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+
+from . import machine, report, spec
+from .jobs import Job, JobFailed, PeerUnsupported, missing_reason
+
+PEERS = ("gloo", "mpi", "nccl")
+
+
+def _size(text):
+    try:
+        return spec.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="ringcomm-bench", description=__doc__.splitlines()[0])
+    p.add_argument("collective", choices=spec.COLLECTIVES)
+    p.add_argument("-n", "--ranks", type=int, default=2, help="ranks to start on this host (default 2)")
+    p.add_argument("-b", "--minbytes", type=_size, default=8, help="smallest size (default 8)")
+    p.add_argument("-e", "--maxbytes", type=_size, default=64 << 20, help="largest size (default 64M)")
+    p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier (default 2)")
+    p.add_argument("-d", "--datatype", default="float", help="int8 uint8 int32 uint32 int64 uint64 half "
+                   "float double bfloat16 (numpy names too); default float")
+    p.add_argument("-o", "--op", default="sum", choices=spec.OPS)
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast / reduce")
+    p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    p.add_argument("--check", action="store_true", help="verify every result (#wrong)")
+    p.add_argument("--algo", default=None, help="ringcomm algorithm: ring, tree, auto, a comma list or all")
+    p.add_argument("--transport", choices=("shm", "tcp"), default=None, help="force ringcomm's transport")
+    p.add_argument("--peer", action="append", default=[], choices=PEERS, help="also run this library")
+    p.add_argument("--json", metavar="FILE", help="write every figure, versions and machine facts")
+    p.add_argument("--plot", metavar="FILE.png", help="busbw against size, with the memcpy ceiling")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a job may go without finishing a row before it is stopped (default 600)")
+    p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    a = p.parse_args(argv)
+    try:
+        a.datatype = spec.dtype_name(a.datatype)
+        a.sizes = spec.sweep(a.minbytes, a.maxbytes, a.stepfactor)
+        a.algos = _algos(a.collective, a.algo)
+    except ValueError as e:
+        p.error(str(e))
+    if not 1 <= a.ranks <= 64:
+        p.error(f"-n must be between 1 and 64 ranks on one host, got {a.ranks}")
+    if a.collective == "sendrecv" and a.ranks < 2:
+        p.error("sendrecv needs at least 2 ranks")
+    if not 0 <= a.root < a.ranks:
+        p.error(f"root {a.root} is out of range for {a.ranks} ranks")
+    if a.iters < 1 or a.warmup < 0:
+        p.error("--iters must be >= 1 and --warmup >= 0")
+    a.peer = list(dict.fromkeys(a.peer))
+    return a
+
+
+def _algos(coll: str, text):
+    """[None] for automatic, else the algorithm names, checked against what ringcomm has."""
+    if text in (None, "", "auto"):
+        return [None]
+    from ringcomm.comm import ALGOS
+    have = list(ALGOS.get(coll, {}))
+    names = have if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        if name != "auto" and name not in have:
+            raise ValueError(f"{coll} has no algorithm {name!r}; it has: {', '.join(have) or 'none'} "
+                             f"(or auto)")
+    return [None if name == "auto" else name for name in names] or [None]
+
+
+def run_job(backend, a, algos, progress):
+    """One backend's sweep: {"facts", "pids", "rows": {algo label: [row, ...]}}; JobFailed on failure."""
+    cfg = {"collective": a.collective, "dtype": a.datatype, "op": a.op, "root": a.root, "sizes": a.sizes,
+           "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
+           "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport}
+    job = Job(backend, a.ranks, cfg)
+    facts, pending, rows, ok = {}, {}, {}, False
+    try:
+        for ev in job.events():
+            if ev["event"] == "start":
+                facts = ev["facts"]
+            elif ev["event"] == "row":
+                label = ev["algo"] or "auto"
+                progress.step(f"{backend} {label} {ev['size']} B")
+                key = (label, ev["index"])
+                pending.setdefault(key, {})["ip" if ev["in_place"] else "oop"] = ev
+                if len(pending[key]) == 2:
+                    pair = pending.pop(key)
+                    rows.setdefault(label, []).append(report.make_row(
+                        a.collective, a.ranks, a.datatype, a.op, a.root, pair["oop"], pair["ip"]))
+        ok = True
+    finally:
+        job.close(wait_s=30.0 if ok else 0.0)
+    return {"facts": facts, "pids": job.pids, "rows": rows}
+
+
+def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
+    lines = [f"# ringcomm-bench {a.collective} ({mine['facts'].get('library', 'ringcomm')})",
+             "# nRanks %d minBytes %d maxBytes %d step: %d(factor) warmup iters: %d iters: %d "
+             "validation: %d" % (a.ranks, a.minbytes, a.maxbytes, a.stepfactor, a.warmup, a.iters,
+                                 int(a.check)), "#", "# Using ranks"]
+    for r, pid in enumerate(mine["pids"]):
+        lines.append("#  Rank %2d Pid %6d on %10s cpu %s" % (r, pid, facts["host"], facts["cpu"]))
+    links = mine["facts"].get("transports_from_rank0")
+    if links:
+        lines.append("#  rank 0 reaches " + ", ".join(f"rank {p} over {t}" for p, t in links.items()))
+    lines.append("# Machine: %s cores (%s usable), Python %s, numpy %s, load average at start %s" % (
+        facts["cores"], facts["cores_usable"], facts["python"], facts["numpy"],
+        "n/a" if facts["loadavg_at_start"] is None else "%.2f" % facts["loadavg_at_start"][0]))
+    lines.append("# memcpy (one core, 64 MiB, measured in this run): %.2f GB/s" % memcpy)
+    for name, run in peers.items():
+        lines.append(f"# Peer {name}: {run['facts'].get('library', '?')}")
+    for name, why in skipped.items():
+        lines.append(f"# Peer {name}: skipped: {why}")
+    all_rows = []
+    for label, rows in mine["rows"].items():
+        lines += ["#", f"# Algorithm: {label}", "#"] + report.header(list(peers))
+        by_size = {name: {r["size"]: r for r in run["rows"].get("auto", [])} for name, run in peers.items()}
+        for row in rows:
+            lines.append(report.row_line(row, [by_size[p].get(row["size"]) for p in peers]))
+        all_rows += rows
+    lines += report.footer(all_rows)
+    lines += [report.peer_footer(n, r["rows"].get("auto", []), r["facts"].get("library", "?"))
+              for n, r in peers.items()]
+    return lines
+
+
+def main(argv=None) -> int:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    facts = machine.facts()
+    progress = machine.Progress(len(a.sizes) * 2 * (len(a.algos) + len(a.peer)), enabled=not a.no_progress)
+    memcpy = machine.memcpy_gbps()
+    try:
+        mine = run_job("ringcomm", a, a.algos, progress)
+    except JobFailed as e:
+        progress.close()
+        print(f"ringcomm-bench: error: ringcomm's sweep failed: {e}", file=sys.stderr)
+        return 1
+    progress.note(f"ringcomm-bench: ringcomm done ({a.collective}, {a.ranks} ranks)")
+    peers, skipped = {}, {}
+    for peer in a.peer:
+        why = missing_reason(peer)
+        if why is None:
+            try:
+                peers[peer] = run_job(peer, a, [None], progress)
+                progress.note(f"ringcomm-bench: peer {peer} done")
+                continue
+            except JobFailed as e:  # PeerUnsupported too: one line, the sweep goes on without it
+                why = str(e) if isinstance(e, PeerUnsupported) else f"its job failed: {e}"
+        skipped[peer] = why
+        progress.done += 2 * len(a.sizes)
+        progress.note(f"ringcomm-bench: peer {peer} skipped: {why}")
+    progress.close()
+    print("\n".join(_table(a, mine, peers, skipped, memcpy, facts)), flush=True)
+    rows = [r for rs in mine["rows"].values() for r in rs]
+    peer_rows = [r for run in peers.values() for rs in run["rows"].values() for r in rs]
+    if a.json:
+        _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows)
+    if a.plot:
+        _plot(a, mine, peers, memcpy)
+    return 1 if report.out_of_bounds(rows) or report.out_of_bounds(peer_rows) else 0
+
+
+def _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows):
+    doc = {"command": ["ringcomm-bench"] + list(sys.argv[1:] if argv is None else argv),
+           "config": {k: getattr(a, k) for k in ("collective", "ranks", "minbytes", "maxbytes", "stepfactor",
+                                                  "datatype", "op", "root", "iters", "warmup", "check",
+                                                  "algos", "transport", "sizes")},
+           "machine": facts, "memcpy_gbps": memcpy, "ringcomm": mine, "peers": peers, "skipped": skipped,
+           "summary": {"out_of_bounds": report.out_of_bounds(rows), "avg_busbw": report.avg_busbw(rows)}}
+    with open(a.json, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def _plot(a, mine, peers, memcpy):
+    from . import plot
+    lines = {f"ringcomm ({label})": [(r["size"], r["oop"]["busbw"]) for r in rows]
+             for label, rows in mine["rows"].items()}
+    for name, run in peers.items():
+        lines[f"{name}: {run['facts'].get('library', '?')}"] = [
+            (r["size"], r["oop"]["busbw"]) for r in run["rows"].get("auto", [])]
+    title = f"{a.collective}, {a.ranks} ranks, {a.datatype}" + (f" {a.op}" if a.collective in spec.REDUCING else "")
+    plot.draw(a.plot, title, lines, memcpy)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

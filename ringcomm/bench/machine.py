@@ -1,0 +1,85 @@
+"""Facts a figure needs beside it (which CPU, how many cores, which versions) and the memcpy ceiling."""
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import time
+
+import numpy as np
+
+MEMCPY_BYTES = 64 << 20  # far beyond the caches: the memory bandwidth one core can drive
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def facts() -> dict:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count()
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    import ringcomm
+    return {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "cores_usable": usable, "machine": platform.machine(), "os": platform.platform(),
+            "python": sys.version.split()[0], "numpy": np.__version__, "ringcomm": ringcomm.__version__,
+            "loadavg_at_start": load}
+
+
+def memcpy_gbps(nbytes: int = MEMCPY_BYTES, repeat: int = 5) -> float:
+    """Best of ``repeat`` copies of ``nbytes`` between two touched buffers, in GB/s (10^9 B/s)."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / 1e9 / best
+
+
+class Progress:
+    """A one-line bar on stderr while a sweep runs; where stderr is not a terminal, one line per job."""
+
+    def __init__(self, total: int, stream=None, enabled: bool = True):
+        self.total, self.done, self.stream = max(1, total), 0, stream or sys.stderr
+        self.enabled = enabled
+        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.t0 = time.monotonic()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.tty:
+            width = 30
+            fill = int(width * self.done / self.total)
+            self.stream.write("\r[%s%s] %3d/%d %-40s" % ("#" * fill, "." * (width - fill), self.done,
+                                                          self.total, label[:40]))
+            self.stream.flush()
+
+    def note(self, text: str) -> None:
+        """A line of its own (a finished job, a skipped peer), kept above the bar."""
+        if not self.enabled:
+            return
+        if self.tty:
+            self.stream.write("\r" + " " * 80 + "\r")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()

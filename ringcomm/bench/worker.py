@@ -1,0 +1,178 @@
+"""One rank of a benchmark job: the sweep of sizes, out of place then in place, for one backend.
+
+    python -m ringcomm.bench.worker BACKEND CONFIG_JSON
+
+Started by jobs.py (ringcomm, gloo, nccl: torchrun's environment; mpi: under mpiexec). Rank 0 reports
+on stdout, one `RCBENCH {json}` line per event (start, row, unsupported, error, done); the other
+ranks print nothing there. Rows carry raw figures (every rank's mean time, every rank's #wrong);
+the parent turns them into algbw / busbw.
+
+A row follows nccl-tests' BenchTime: `warmup` calls, a barrier, `iters` timed calls (each rank's mean),
+then, with check on, fresh inputs, a poisoned output, one more call and a count of wrong elements.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+from . import spec, verify
+from .backends import Unsupported, make_backend, python_facts
+
+PREFIX = "RCBENCH "
+# Test hook: flip one element of rank 0's checked result in every ringcomm row, so a test can prove
+# that a wrong result is counted (and fails the run). Never set it outside a test.
+CORRUPT_ENV = "RINGCOMM_BENCH_CORRUPT"
+
+
+def emit(event: dict) -> None:
+    sys.stdout.write(PREFIX + json.dumps(event) + "\n")
+    sys.stdout.flush()
+
+
+def views(coll, in_place, rank, n, root, send_buf, recv_buf, count, recv_n, send_n):
+    """(inp, out, checked) for one call: the arrays passed and whether `out` is checked on this rank.
+    In place follows nccl-tests' offsets: all_gather's input is block `rank` of the output,
+    reduce_scatter's output is block `rank` of the input, the others share one buffer."""
+    if not in_place:
+        inp, out = send_buf[:send_n], recv_buf[:recv_n]
+    elif coll == "all_gather":
+        out = recv_buf[:recv_n]
+        inp = out[rank * count:(rank + 1) * count]
+    elif coll == "reduce_scatter":
+        inp = recv_buf[:send_n]
+        out = inp[rank * count:(rank + 1) * count]
+    else:
+        inp = out = recv_buf[:recv_n]
+    checked = not (coll == "reduce" and rank != root)  # only the root of a reduce gets a result
+    return inp, out, checked
+
+
+def fill_input(inp, tables):
+    """This rank's input: its table tiled (reduce_scatter's input is indexed across all its blocks)."""
+    verify.fill_tiled(inp, tables["input"])
+
+
+def fill_expected(coll, exp, tables, rank, n, root, count):
+    """What this rank's output must hold."""
+    if coll in ("all_reduce", "reduce"):
+        verify.fill_tiled(exp, tables["reduced"])
+    elif coll == "reduce_scatter":
+        verify.fill_tiled(exp, tables["reduced"], start=rank * count)
+    elif coll == "broadcast":
+        verify.fill_tiled(exp, tables["inputs"][root])
+    elif coll == "sendrecv":
+        verify.fill_tiled(exp, tables["inputs"][(rank - 1) % n])
+    elif coll == "all_gather":
+        for j in range(n):
+            verify.fill_tiled(exp[j * count:(j + 1) * count], tables["inputs"][j])
+
+
+def check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked) -> int:
+    """One more call on fresh inputs into a poisoned output; the number of wrong elements here
+    (every rank makes the call; a rank without a result, a reduce's non-root, counts 0)."""
+    n, r = be.world_size, be.rank
+    exp = exp_buf[:result.size]
+    fill_expected(coll, exp, tables, r, n, cfg["root"], count)
+    verify.poison(result, exp)  # first: for in-place calls the input then overwrites its share
+    fill_input(inp, tables)
+    be.upload(result)
+    be.upload(inp)
+    be.barrier()  # no rank may start the check call while another still writes its inputs
+    fn()
+    be.sync()
+    if not checked:
+        return 0
+    got = be.download(result)
+    if os.environ.get(CORRUPT_ENV) and be.name == "ringcomm" and r == 0 and got.size:
+        bits = got[:1].view(np.dtype(f"u{got.itemsize}"))
+        np.invert(bits, out=bits)
+    return verify.count_wrong(got, exp)
+
+
+def measure(be, cfg, tables, bufs, coll, size, in_place) -> dict:
+    n, r, root, op = be.world_size, be.rank, cfg["root"], cfg["op"]
+    send_buf, recv_buf, exp_buf = bufs
+    count, send_n, recv_n, row_bytes = spec.counts(coll, size, send_buf.itemsize, n)
+    inp, out, checked = views(coll, in_place, r, n, root, send_buf, recv_buf, count, recv_n, send_n)
+    fill_input(inp, tables)
+    be.upload(inp)
+    fn, result = be.call(coll, inp, out, op, root, in_place)
+    for _ in range(cfg["warmup"]):
+        fn()
+    be.sync()
+    be.barrier()
+    t0 = time.perf_counter()
+    for _ in range(cfg["iters"]):
+        fn()
+    be.sync()
+    seconds = (time.perf_counter() - t0) / max(1, cfg["iters"])
+    wrong = -1.0  # not checked: nccl-tests prints N/A (and does not check in-place sendrecv either)
+    if cfg["check"] and not (coll == "sendrecv" and in_place):
+        wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
+    stats = be.gather_f64([seconds, wrong])
+    return {"size": row_bytes, "count": count, "in_place": in_place,
+            "rank_seconds": stats[:, 0].tolist(),
+            "rank_wrong": None if stats[0, 1] < 0 else [int(w) for w in stats[:, 1]]}
+
+
+def run(be, cfg) -> None:
+    coll = cfg["collective"]
+    dt = spec.numpy_dtype(cfg["dtype"])
+    n = be.world_size
+    be.check(coll, dt, cfg["op"])
+    op = cfg["op"] if coll in spec.REDUCING else "sum"
+    inputs = [verify.input_table(dt, op, n, r) for r in range(n)]
+    tables = {"inputs": inputs, "input": inputs[be.rank], "reduced": verify.reduced_table(dt, op, n)}
+    largest = max(spec.counts(coll, s, dt.itemsize, n)[3] for s in cfg["sizes"]) // dt.itemsize
+    # Allocated once at the largest size and touched, as nccl-tests does: no row pays page faults
+    # for the benchmark's own buffers.
+    bufs = tuple(np.zeros(max(largest, 1), dt) for _ in range(3))
+    for b in bufs:
+        b[...] = 0  # np.zeros maps untouched pages; writing them faults them in now
+    be.register(bufs[0], bufs[1])
+    for algo in cfg["algos"]:
+        if be.name == "ringcomm":
+            be.algo = algo
+        for i, size in enumerate(cfg["sizes"]):
+            for in_place in (False, True):
+                row = measure(be, cfg, tables, bufs, coll, size, in_place)
+                if be.rank == 0:
+                    emit({"event": "row", "algo": algo, "index": i, **row})
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    name, cfg = argv[0], json.loads(argv[1])
+    be = None
+    try:
+        be = make_backend(name, None)
+        if be.rank == 0:
+            emit({"event": "start", "facts": {**python_facts(), **be.facts()}, "world_size": be.world_size})
+        run(be, cfg)
+        be.barrier()
+        if be.rank == 0:
+            emit({"event": "done"})
+        return 0
+    except Unsupported as e:
+        if be is None or be.rank == 0:
+            emit({"event": "unsupported", "message": str(e)})
+        return 3
+    except Exception as e:  # noqa: BLE001 - reported to the parent as one line, with the trace on stderr
+        traceback.print_exc()
+        emit({"event": "error", "message": f"{type(e).__name__}: {e}".splitlines()[0]})
+        return 1
+    finally:
+        if be is not None:
+            try:
+                be.close()
+            except Exception:  # noqa: BLE001 - closing after a failure must not hide it
+                pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
