@@ -4,6 +4,7 @@
     comm = ringcomm.init()            # reads torchrun / mpirun / Slurm's environment
     comm.all_reduce(x, ringcomm.SUM)  # in place
 """
+from .algorithms import register_algorithm, unregister_algorithm, verify
 from .comm import Communicator
 from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreError,
                      StoreTimeout)
@@ -12,4 +13,5 @@ from .ops import AVG, MAX, MIN, PROD, SUM, ReduceOp
 
 __version__ = "0.1.0"
 __all__ = ["init", "Communicator", "ReduceOp", "SUM", "PROD", "MIN", "MAX", "AVG", "RingcommError",
-           "CollectiveTimeout", "PeerFailure", "CommunicatorClosed", "StoreError", "StoreTimeout"]
+           "CollectiveTimeout", "PeerFailure", "CommunicatorClosed", "StoreError", "StoreTimeout",
+           "register_algorithm", "unregister_algorithm", "verify"]

@@ -113,6 +113,9 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
     k = store.add(f"ringcomm/comms/{rank}", 1)
     buffsize = _env_number("RINGCOMM_BUFFSIZE", DEFAULT_BUFFSIZE, int)
     nslots = _env_number("RINGCOMM_NSLOTS", DEFAULT_NSLOTS, int)
+    if nslots < 2:  # a step holds its incoming slot until it has an outgoing one: one slot deadlocks
+        raise ValueError(f"RINGCOMM_NSLOTS={nslots} must be at least 2: with one slot every ring "
+                         f"deadlocks (ringcomm.verify shows the cycle)")
     slot_bytes = max(64, buffsize // nslots // 64 * 64)
     watchdog = Watchdog(rank, world_size, store, f"c{k}")
     ctx = LinkContext(rank=rank, world_size=world_size, store=store, prefix=f"c{k}", token=token,

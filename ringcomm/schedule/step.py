@@ -143,6 +143,11 @@ class Schedule:
     in_layout: str
     out_layout: str
     steps: tuple[Step, ...] = field(default_factory=tuple)
+    # Optional, for the cost model only (the executor ignores it): one entry per step, the
+    # stage of its sends, an int or one int per dst. Sends of one rank to one peer in one stage
+    # count as one message (one alpha), as MPI would send them; empty means "the step's depth
+    # in the dataflow" (schedule/cost.py).
+    stages: tuple = ()
 
     def peers(self) -> tuple[set[int], set[int]]:
         """(ranks this schedule receives from, ranks it sends to)."""

@@ -1,0 +1,172 @@
+"""Your own algorithms: register a schedule builder and call it by name, ``algo="name"``.
+
+    def my_all_reduce(rank, n):            # -> ringcomm.schedule.step.Schedule
+        ...
+    ringcomm.register_algorithm("mine", "all_reduce", my_all_reduce)
+    comm.all_reduce(x, algo="mine")
+
+A builder is ``builder(rank, n)`` (``builder(rank, n, root)`` for broadcast and reduce) and
+returns that rank's Schedule; ringcomm.schedule.lang.program_builder turns a chunk-flow
+Program into one. The algorithm is checked twice, because a wrong schedule would otherwise
+hang real processes or silently return wrong numbers:
+
+- at registration, symbolically (schedule/simulate.check: contributions, FIFO order,
+  deadlock with 2 slots) for every world size in ``sizes`` (default 1..8) and, for rooted
+  collectives, every root; a failure raises ScheduleError and nothing is registered;
+- on first use at any other world size, the same check for that size (and root), once per
+  process, before any byte moves. Every rank runs the same check, so all refuse together.
+"""
+from __future__ import annotations
+
+import re
+import threading
+
+from . import comm as _comm
+from .schedule.simulate import ScheduleError, check
+from .schedule.step import Schedule
+from .schedule.verify import verify_schedules
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
+ROOTED = ("broadcast", "reduce")
+SIZES = tuple(range(1, 9))
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_lock = threading.Lock()
+_checked: set = set()  # (collective, name, n, root) already checked in this process
+USER: dict = {}        # (collective, name) -> the builder as the user gave it
+
+
+def register_algorithm(name: str, collective: str, builder, *, sizes=SIZES, replace: bool = False):
+    """Make ``builder`` available as ``algo=name`` for ``collective`` on every Communicator."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"algorithm name must be a word like 'my_ring' (letters, digits, _ . -), "
+                         f"got {name!r}")
+    _check_collective(collective)
+    if not callable(builder):
+        raise TypeError(f"builder must be callable as builder(rank, n{', root' if collective in ROOTED else ''})"
+                        f", got {type(builder).__name__}")
+    if name in _comm.ALGOS[collective] and not replace:
+        raise ValueError(f"{collective} already has an algorithm {name!r}; pass replace=True to replace it")
+    if (collective, name) not in USER and name in _comm.ALGOS[collective]:
+        raise ValueError(f"{name!r} is a built-in {collective} algorithm and cannot be replaced")
+    sizes = tuple(sizes)
+    if any(not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"sizes must be world sizes >= 1, got {sizes}")
+    for n in sizes:
+        for root in _roots(collective, n):
+            check_algorithm(collective, builder, n, root, name=name)
+    with _lock:
+        _checked.difference_update({k for k in _checked if k[:2] == (collective, name)})
+        _checked.update((collective, name, n, root) for n in sizes for root in _roots(collective, n))
+        USER[collective, name] = builder
+        _comm.ALGOS[collective][name] = _lazily_checked(collective, name, builder)
+        _comm.build_schedule.cache_clear()
+
+
+def unregister_algorithm(name: str, collective: str) -> None:
+    """Remove an algorithm registered with register_algorithm (built-ins stay)."""
+    _check_collective(collective)
+    with _lock:
+        if (collective, name) not in USER:
+            raise ValueError(f"{name!r} is not a registered {collective} algorithm")
+        del USER[collective, name]
+        del _comm.ALGOS[collective][name]
+        _checked.difference_update({k for k in _checked if k[:2] == (collective, name)})
+        _comm.build_schedule.cache_clear()
+
+
+def algorithms(collective: str) -> list[str]:
+    """The names ``algo=`` accepts for ``collective``, built-in and registered."""
+    _check_collective(collective)
+    return list(_comm.ALGOS[collective])
+
+
+def schedules(collective: str, algo: str, n: int, root: int | None = None) -> list[Schedule]:
+    """Every rank's Schedule of a named algorithm (index = rank)."""
+    _check_collective(collective)
+    if algo not in _comm.ALGOS[collective]:
+        raise ValueError(f"{collective} has no algorithm {algo!r}; choose one of {algorithms(collective)}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"world size must be an int >= 1, got {n!r}")
+    if collective in ROOTED:
+        root = 0 if root is None else root
+        if not (isinstance(root, int) and 0 <= root < n):
+            raise ValueError(f"root {root!r} out of range for world size {n}")
+        return [_comm.ALGOS[collective][algo](r, n, root) for r in range(n)]
+    if root is not None:
+        raise ValueError(f"{collective} has no root")
+    return [_comm.ALGOS[collective][algo](r, n) for r in range(n)]
+
+
+def verify(collective: str, algo: str, world_size: int, count: int, *, root: int | None = None,
+           itemsize: int = 4, buffsize: int = 4 << 20, nslots: int = 8):
+    """Prove what can be proved about a named algorithm without running it: a Report with the
+    postcondition, the reduction order of every output element (for ``count`` elements of
+    ``itemsize`` bytes cut by a FIFO of ``buffsize`` bytes in ``nslots`` slots, as the executor
+    would cut them), whether all ranks share it and whether it depends on the message size or
+    slicing, and deadlock with 1, 2, 4 and 8 slots with the shortest counterexample.
+
+    ``count`` is the call's element count: the buffer of all_reduce, broadcast and reduce, each
+    rank's input of all_gather, each rank's output of reduce_scatter. A builder that raises is
+    reported as a failed postcondition, not raised."""
+    _check_collective(collective)
+    if collective in ROOTED and root is None:
+        root = 0
+    builder = USER.get((collective, algo)) or _comm.ALGOS[collective].get(algo)
+    if builder is None:
+        raise ValueError(f"{collective} has no algorithm {algo!r}; choose one of {algorithms(collective)}")
+    rep = None
+    try:
+        scheds = [builder(r, world_size) if root is None else builder(r, world_size, root)
+                  for r in range(world_size)]
+    except Exception as e:  # noqa: BLE001 - reported, as the docstring promises
+        from .schedule.verify import Report
+        rep = Report(collective, algo, world_size, count, root,
+                     postcondition=f"the builder failed: {type(e).__name__}: {e}")
+    return rep or verify_schedules(collective, scheds, count, root=root, algo=algo, itemsize=itemsize,
+                                   buffsize=buffsize, nslots=nslots)
+
+
+def check_algorithm(collective, builder, n, root=None, *, name="custom"):
+    """Build every rank's schedule with ``builder`` and check it symbolically; raise
+    ScheduleError (naming the algorithm, world size and root) if it is wrong."""
+    where = f"algorithm {name!r} for {collective} at world size {n}" + (
+        f", root {root}" if root is not None else "")
+    try:
+        scheds = [builder(r, n) if root is None else builder(r, n, root) for r in range(n)]
+    except ScheduleError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a builder's own failure, explained with context
+        raise ScheduleError(f"{where}: the builder failed: {type(e).__name__}: {e}") from e
+    for r, s in enumerate(scheds):
+        if not isinstance(s, Schedule):
+            raise ScheduleError(f"{where}: the builder returned {type(s).__name__} for rank {r}, "
+                                f"not a Schedule")
+    try:
+        check(collective, scheds, root=root, nslots=2, slices=1, rounds=2)
+    except ScheduleError as e:
+        raise ScheduleError(f"{where}: {e}") from None
+    return scheds
+
+
+def _lazily_checked(collective, name, builder):
+    def build(rank, n, *root):
+        key = (collective, name, n, root[0] if root else None)
+        if key not in _checked:
+            check_algorithm(collective, builder, n, key[3], name=name)
+            with _lock:
+                _checked.add(key)
+        return builder(rank, n, *root)
+    build.__name__ = f"checked_{name}"
+    build.__wrapped__ = builder
+    return build
+
+
+def _roots(collective, n):
+    if collective not in ROOTED:
+        return (None,)
+    return tuple(range(n))
+
+
+def _check_collective(collective):
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")
