@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import signal
 import sys
 
 from . import machine, report, spec
@@ -140,8 +141,27 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
     return lines
 
 
+def _stop(signum, _frame):
+    raise KeyboardInterrupt(f"signal {signum}")  # unwinds through Job.close(): no rank outlives us
+
+
 def main(argv=None) -> int:
     a = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        old = signal.signal(signal.SIGTERM, _stop)
+    except ValueError:  # not the main thread (called from a test or an embedding program)
+        old = None
+    try:
+        return _main(a, argv)
+    except KeyboardInterrupt:
+        print("ringcomm-bench: interrupted; the ranks were stopped", file=sys.stderr)
+        return 130
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _main(a, argv) -> int:
     facts = machine.facts()
     progress = machine.Progress(len(a.sizes) * 2 * (len(a.algos) + len(a.peer)), enabled=not a.no_progress)
     memcpy = machine.memcpy_gbps()
@@ -164,7 +184,7 @@ def main(argv=None) -> int:
                 why = str(e) if isinstance(e, PeerUnsupported) else f"its job failed: {e}"
         skipped[peer] = why
         progress.done += 2 * len(a.sizes)
-        progress.note(f"ringcomm-bench: peer {peer} skipped: {why}")
+        progress.note(f"ringcomm-bench: peer {peer} skipped: {why}", always=True)
     progress.close()
     print("\n".join(_table(a, mine, peers, skipped, memcpy, facts)), flush=True)
     rows = [r for rs in mine["rows"].values() for r in rs]

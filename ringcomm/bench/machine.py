@@ -70,9 +70,10 @@ class Progress:
                                                           self.total, label[:40]))
             self.stream.flush()
 
-    def note(self, text: str) -> None:
-        """A line of its own (a finished job, a skipped peer), kept above the bar."""
-        if not self.enabled:
+    def note(self, text: str, always: bool = False) -> None:
+        """A line of its own (a finished job; with ``always``, even without progress: a skipped peer),
+        kept above the bar."""
+        if not (self.enabled or always):
             return
         if self.tty:
             self.stream.write("\r" + " " * 80 + "\r")

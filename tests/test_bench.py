@@ -1,0 +1,264 @@
+"""ringcomm-bench: its sizes, its arithmetic, its check data, its table, and two short real runs.
+
+The benchmark's figures themselves are never asserted (benchmarks stay out of the suite); what is
+asserted is the instrument: nccl-tests' columns and footer, busbw factors, that every expected
+result is exact, and that a corrupted result is counted as wrong and fails the run.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from ringcomm.bench import jobs, report, spec, verify, worker
+from ringcomm.bench.cli import parse_args
+from ringcomm.kernels import host
+
+# ---- sizes ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, nbytes", [("8", 8), ("64K", 65536), ("64k", 65536), ("1M", 1 << 20),
+                                          ("64M", 64 << 20), ("1G", 1 << 30), ("1.5K", 1536), ("0", 0),
+                                          (" 2m ", 2 << 20), ("4KB", 4096)])
+def test_parse_size_follows_nccl_tests(text, nbytes):
+    assert spec.parse_size(text) == nbytes
+
+
+@pytest.mark.parametrize("bad", ["", "K", "12Q", "-4", "1e3", "one"])
+def test_parse_size_rejects_junk(bad):
+    with pytest.raises(ValueError, match="invalid size"):
+        spec.parse_size(bad)
+
+
+def test_sweep_is_geometric_and_inclusive():
+    assert spec.sweep(8, 64 << 20, 4)[-1] == 32 << 20  # 8 * 4^k never hits 64M, as in nccl-tests
+    assert spec.sweep(16, 64 << 20, 4) == [16 * 4**k for k in range(12)]
+    assert spec.sweep(1024, 1024, 2) == [1024]
+    assert spec.sweep(0, 4, 2) == [0, 1, 2, 4]
+    with pytest.raises(ValueError):
+        spec.sweep(64, 8, 2)
+    with pytest.raises(ValueError):
+        spec.sweep(8, 64, 1)
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    for argv in (["all_reduce", "-b", "12Q"], ["broadcast", "-n", "2", "-r", "2"],
+                 ["all_gather", "--algo", "tree"], ["sendrecv", "-n", "1"], ["all_reduce", "-d", "float8"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2
+    a = parse_args(["reduce", "-d", "float16", "--algo", "all", "-b", "1K", "-e", "4K"])
+    assert (a.datatype, a.algos, a.sizes) == ("half", ["ring", "tree"], [1024, 2048, 4096])
+
+
+# ---- arithmetic ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("coll, factor", [("all_reduce", 2 * 3 / 4), ("all_gather", 3 / 4),
+                                          ("reduce_scatter", 3 / 4), ("broadcast", 1.0),
+                                          ("reduce", 1.0), ("sendrecv", 1.0)])
+def test_busbw_uses_nccl_tests_factors(coll, factor):
+    count, send_n, recv_n, size = spec.counts(coll, 4096, 4, 4)
+    algbw, busbw = spec.bandwidth(coll, size, 2e-6, 4)
+    assert algbw == pytest.approx(size / 1e9 / 2e-6)
+    assert busbw == pytest.approx(algbw * factor)
+    assert spec.bandwidth(coll, size, 0.0, 4) == (0.0, 0.0)
+    if coll == "all_gather":  # count is per rank; the size column is the gathered output
+        assert (count, send_n, recv_n, size) == (256, 256, 1024, 4096)
+    elif coll == "reduce_scatter":
+        assert (count, send_n, recv_n, size) == (256, 1024, 256, 4096)
+    else:
+        assert (count, send_n, recv_n, size) == (1024, 1024, 1024, 4096)
+
+
+def test_sizes_that_do_not_divide_are_truncated_like_nccl_tests():
+    assert spec.counts("all_gather", 100, 4, 3) == (8, 8, 24, 96)
+    assert spec.counts("all_reduce", 10, 8, 2) == (1, 1, 1, 8)
+
+
+# ---- check data ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", list(spec.DTYPES))
+def test_check_data_is_exact_in_any_order(dtype):
+    """ringcomm's own kernels, combining ranks forwards, backwards and pairwise, land on exactly the
+    expected table for every op: #wrong can only count real errors."""
+    dt = spec.numpy_dtype(dtype)
+    for op in spec.OPS:
+        for n in (1, 2, 3, 5, 8):
+            tables = [verify.input_table(dt, op, n, r) for r in range(n)]
+            expected = verify.reduced_table(dt, op, n)
+            for order in (list(range(n)), list(range(n))[::-1], list(range(0, n, 2)) + list(range(1, n, 2))):
+                acc = tables[order[0]].copy()
+                for r in order[1:]:
+                    host.reduce(acc, tables[r], op)
+                host.postprocess(acc, op, n)
+                assert verify.count_wrong(acc, expected) == 0, (dtype, op, n, order)
+            if n > 1 and op != "avg":
+                assert any(not np.array_equal(tables[0], t) for t in tables[1:]), "ranks must differ"
+
+
+def test_count_wrong_counts_every_corrupted_element():
+    dt = np.dtype(np.float32)
+    good = np.empty(5000, dt)
+    verify.fill_tiled(good, verify.reduced_table(dt, "sum", 4))
+    bad = good.copy()
+    assert verify.count_wrong(bad, good) == 0
+    bad[[0, 1021, 4999]] += 1
+    assert verify.count_wrong(bad, good) == 3
+    zero = np.flatnonzero(good == 0)[0]
+    signed = good.copy()
+    signed[zero] = -0.0  # equal as a number, but not what the exact computation gives: bits count
+    assert verify.count_wrong(signed, good) == 1
+    poisoned = np.empty_like(good)
+    verify.poison(poisoned, good)
+    assert verify.count_wrong(poisoned, good) == good.size  # an untouched output is all wrong
+    with pytest.raises(ValueError):
+        verify.count_wrong(good[:10], good)
+
+
+def test_fill_tiled_matches_the_formula():
+    table = np.arange(verify.PERIOD, dtype=np.int64)
+    for size, start in ((0, 0), (5, 3), (verify.PERIOD * 3 + 17, 1000), (10000, 2 * verify.PERIOD + 1)):
+        dst = np.empty(size, np.int64)
+        verify.fill_tiled(dst, table, start)
+        assert np.array_equal(dst, (np.arange(size) + start) % verify.PERIOD)
+
+
+def _simulate(coll, n, root, ins):
+    """What each rank's output holds after a correct collective (numpy, from every rank's input)."""
+    red = host.reference_reduce(ins, "sum") if coll in spec.REDUCING else None
+    c = ins[0].size // n if coll == "reduce_scatter" else ins[0].size
+    return {"all_reduce": lambda r: red, "reduce": lambda r: red,
+            "reduce_scatter": lambda r: red[r * c:(r + 1) * c],
+            "all_gather": lambda r: np.concatenate(ins), "broadcast": lambda r: ins[root],
+            "sendrecv": lambda r: ins[(r - 1) % n]}[coll]
+
+
+@pytest.mark.parametrize("coll", spec.COLLECTIVES)
+def test_expected_output_of_every_collective(coll):
+    """The worker's in-place / out-of-place views and expected tables agree with a numpy model of the
+    collective, on 3 ranks and a count that is not a multiple of the period."""
+    n, root, dt = 3, 1, np.dtype(np.int32)
+    tables = {"inputs": [verify.input_table(dt, "sum", n, r) for r in range(n)],
+              "reduced": verify.reduced_table(dt, "sum", n)}
+    count, send_n, recv_n, _ = spec.counts(coll, 4 * 2500 * n, 4, n)
+    ins = []
+    for r in range(n):
+        send, recv = np.zeros(send_n + recv_n, dt), np.zeros(send_n + recv_n, dt)
+        inp, _, _ = worker.views(coll, False, r, n, root, send, recv, count, recv_n, send_n)
+        worker.fill_input(inp, dict(tables, input=tables["inputs"][r]))
+        ins.append(inp.copy())
+    truth = _simulate(coll, n, root, ins)
+    for r in range(n):
+        exp = np.zeros(recv_n, dt)
+        worker.fill_expected(coll, exp, tables, r, n, root, count)
+        assert verify.count_wrong(exp, truth(r)) == 0
+
+
+# ---- the table -----------------------------------------------------------------------------------
+
+def _event(size, count, seconds, wrong, in_place):
+    return {"size": size, "count": count, "in_place": in_place, "rank_seconds": seconds,
+            "rank_wrong": wrong}
+
+
+def test_table_has_nccl_tests_columns_and_footer():
+    row = report.make_row("all_reduce", 2, "float", "sum", 0,
+                          _event(1 << 20, 1 << 18, [0.9e-3, 1e-3], [0, 0], False),
+                          _event(1 << 20, 1 << 18, [2e-3, 1e-3], [0, 2], True))
+    peer = report.make_row("all_reduce", 2, "float", "sum", 0,
+                           _event(1 << 20, 1 << 18, [2e-3, 2e-3], [0, 0], False),
+                           _event(1 << 20, 1 << 18, [2e-3, 2e-3], None, True))
+    head = report.header(["mpi"])
+    assert head[1].split() == ["#", "size", "count", "type", "redop", "root", "time", "algbw", "busbw",
+                               "#wrong", "time", "algbw", "busbw", "#wrong", "time", "busbw", "ratio"]
+    assert "out-of-place" in head[0] and "in-place" in head[0] and "mpi (out-of-place)" in head[0]
+    fields = report.row_line(row, [peer]).split()
+    # size count type redop root | time algbw busbw #wrong (oop) | (ip) | peer time busbw ratio
+    assert fields == ["1048576", "262144", "float", "sum", "-1", "1000.0", "1.05", "1.05", "0",
+                      "2000.0", "0.52", "0.52", "2", "2000.0", "0.52", "2.00"]
+    assert row["oop"]["seconds"] == 1e-3  # the slowest rank's mean
+    assert row["oop"]["busbw"] == pytest.approx((1 << 20) / 1e9 / 1e-3 * 2 * 1 / 2)
+    assert report.row_line(row, [None]).split()[-3:] == ["N/A"] * 3
+    assert report.footer([row]) == ["# Out of bounds values : 1 FAILED",
+                                    "# Avg bus bandwidth    : %g " % ((row["oop"]["busbw"] + row["ip"]["busbw"]) / 2),
+                                    "#"]
+    assert report.footer([peer])[0] == "# Out of bounds values : 0 OK"
+    assert report.row_line(peer).split()[-1] == "N/A"  # an unchecked placement, as nccl-tests prints
+    assert [report.fmt_time(t) for t in (3.14159, 314.159, 31415.9)] == ["   3.14", "  314.2", "  31416"]
+
+
+def test_missing_peer_reason_is_one_line(monkeypatch):
+    monkeypatch.setattr(jobs, "_importable", lambda name: False)
+    for peer, module in (("mpi", "mpi4py"), ("gloo", "torch")):
+        why = jobs.missing_reason(peer)
+        assert why.startswith(f"{module} is not installed") and "ringcomm[bench]" in why and "\n" not in why
+    monkeypatch.setattr(jobs, "_importable", lambda name: True)
+    monkeypatch.setattr(jobs, "find_mpiexec", lambda: None)
+    assert "no mpiexec" in jobs.missing_reason("mpi")
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="the plot needs the bench extra's matplotlib")
+    from ringcomm.bench import plot
+    out = tmp_path / "p.png"
+    plot.draw(str(out), "all_reduce", {"ringcomm (auto)": [(8, 0.0), (1 << 20, 1.5)],
+                                       "mpi": [(8, 0.0), (1 << 20, 2.5)]}, 8.0)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- two short real runs -------------------------------------------------------------------------
+
+def _run_cli(args, env_extra=None, prelude=""):
+    """The CLI in a child process (its ranks are grandchildren); stopped with SIGTERM on a timeout,
+    which makes it stop its ranks before it exits."""
+    code = f"import sys; {prelude}from ringcomm.bench.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = dict(os.environ, RINGCOMM_TIMEOUT="30", **(env_extra or {}))
+    before = set(glob.glob("/dev/shm/rc-b*"))
+    p = subprocess.Popen([sys.executable, "-c", code] + args + ["--timeout", "60"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        p.terminate()
+        out, err = p.communicate(timeout=30)
+        pytest.fail(f"ringcomm-bench did not finish:\n{out}\n{err}")
+    assert set(glob.glob("/dev/shm/rc-b*")) <= before, "the run left shared-memory segments"
+    return p.returncode, out, err
+
+
+def _rows(out):
+    return [line.split() for line in out.splitlines() if line and not line.startswith("#")]
+
+
+@pytest.mark.timeout(120)
+def test_real_run_prints_the_table_and_one_line_for_a_missing_peer():
+    # mpi4py hidden from this process: the peer must be skipped with one line, not a traceback.
+    rc, out, err = _run_cli(["all_reduce", "-n", "2", "-b", "1K", "-e", "16K", "-f", "4", "--iters", "2",
+                             "--warmup", "1", "--check", "--peer", "mpi", "--no-progress"],
+                            prelude="sys.modules['mpi4py'] = None; ")
+    assert rc == 0, err
+    assert "Traceback" not in err
+    mpi_lines = [l for l in err.splitlines() if "mpi" in l]
+    assert mpi_lines == ["ringcomm-bench: peer mpi skipped: mpi4py is not installed "
+                         "(pip install 'ringcomm[bench]')"]
+    rows = _rows(out)
+    assert [int(r[0]) for r in rows] == [1024, 4096, 16384]
+    for r in rows:
+        assert len(r) == 13 and r[2:5] == ["float", "sum", "-1"] and r[8] == "0" and r[12] == "0"
+    assert "# Out of bounds values : 0 OK" in out.splitlines()
+    assert any(l.startswith("# Avg bus bandwidth    : ") for l in out.splitlines())
+
+
+@pytest.mark.timeout(120)
+def test_a_corrupted_result_is_counted_wrong_and_fails_the_run():
+    rc, out, err = _run_cli(["reduce_scatter", "-n", "2", "-b", "2K", "-e", "8K", "-f", "4", "--iters", "1",
+                             "--warmup", "0", "--check", "--no-progress"],
+                            env_extra={worker.CORRUPT_ENV: "1"})
+    assert rc == 1, err
+    rows = _rows(out)
+    assert len(rows) == 2 and all(r[8] == "1" and r[12] == "1" for r in rows), out
+    assert "# Out of bounds values : 4 FAILED" in out.splitlines()
