@@ -12,6 +12,7 @@ import signal
 import threading
 
 from .comm import Communicator
+from .errors import StoreError
 from .executor import Executor
 from .links import Links
 from .watchdog import Watchdog
@@ -108,6 +109,15 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
         else:
             host, port = _store_address()
             store = TCPStore(host, port, is_server=rank == 0, token=token, timeout=timeout)
+    try:
+        return _join(rank, world_size, local_rank, store, owns_store, timeout, token)
+    except StoreError as e:
+        if owns_store:
+            store.close()
+        raise StoreError(f"rank {rank} (this process) could not join the job through the store: {e}") from None
+
+
+def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Communicator:
     # Every rank creates its communicators in the same order, so the k-th one of
     # each rank gets the same k: a key prefix no other communicator uses.
     k = store.add(f"ringcomm/comms/{rank}", 1)

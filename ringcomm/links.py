@@ -4,16 +4,20 @@ Peers on the same host (same boot, same network namespace) use shared memory,
 everything else TCP, as NCCL picks its p2p/shm transports before the network
 (src/transport.cc). Between hosts, ibverbs (RDMA) when both ends have an active
 RDMA port, else TCP. RINGCOMM_TRANSPORT=tcp|shm|ibverbs forces one everywhere.
+Calls on device (CUDA) buffers use cuda_ipc to every peer, which must all be on
+this host: their connections (Links.device) live beside the host ones.
 """
 from __future__ import annotations
 
 import os
 import socket
 import time
+from dataclasses import replace
 
 from ringcomm.transport.base import LinkContext, PeerGone, PeerTimeout
 
-from .errors import CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreTimeout
+from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreError,
+                     StoreTimeout)
 
 TRANSPORTS = ("shm", "tcp", "ibverbs")
 
@@ -45,6 +49,9 @@ def _make_transport(name: str, ctx: LinkContext):
     if name == "ibverbs":
         from ringcomm.transport.ibverbs import IbverbsTransport
         return IbverbsTransport(ctx)
+    if name == "cuda_ipc":
+        from ringcomm.transport.cuda_ipc import CudaIpcTransport
+        return CudaIpcTransport(ctx)
     raise ValueError(f"unknown transport {name!r}")
 
 
@@ -90,6 +97,23 @@ class Links:
         for p in sorted(srcs):
             self(p, "recv")
 
+    def device(self, peer: int, direction: str, slot_bytes: int):
+        """The cuda_ipc connection to a peer on this host, for calls on device buffers (ringcomm/device.py);
+        its slots are device memory of ``slot_bytes`` each."""
+        conn = self.conns.get((peer, direction, "cuda_ipc"))
+        if conn is None:
+            if self.closed:
+                raise CommunicatorClosed(f"rank {self.ctx.rank}: this communicator's links are closed")
+            host = self.transport_for(peer)
+            if host != "shm":
+                raise RingcommError(f"rank {self.ctx.rank} (this process) cannot reach rank {peer} over cuda_ipc: "
+                                    f"device buffers need every peer on this host, and the link to rank {peer} "
+                                    f"is {host}{' (RINGCOMM_TRANSPORT)' if self.forced else ''}")
+            if "cuda_ipc" not in self.transports:
+                self.transports["cuda_ipc"] = _make_transport("cuda_ipc", replace(self.ctx, slot_bytes=slot_bytes))
+            conn = self.conns[(peer, direction, "cuda_ipc")] = self._connect(peer, direction, "cuda_ipc")
+        return conn
+
     def transport_for(self, peer: int) -> str:
         if self.forced:
             return self.forced
@@ -105,10 +129,10 @@ class Links:
             return "ibverbs"
         return "tcp"
 
-    def _connect(self, peer: int, direction: str):
-        name = "?"
+    def _connect(self, peer: int, direction: str, transport: str | None = None):
+        name = "a transport not chosen yet"
         try:
-            name = self.transport_for(peer)
+            name = transport or self.transport_for(peer)
             if name not in self.transports:
                 self.transports[name] = _make_transport(name, self.ctx)
             t = self.transports[name]
@@ -117,7 +141,7 @@ class Links:
         except (PeerTimeout, StoreTimeout) as e:
             raise CollectiveTimeout(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                     f"({direction}) over {name} within {self.timeout:g} s: {e}") from None
-        except PeerGone as e:
+        except (PeerGone, StoreError) as e:
             raise PeerFailure(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                               f"({direction}) over {name}: {e}") from None
         except (OSError, ImportError, LookupError) as e:

@@ -13,9 +13,11 @@ import glob
 import multiprocessing as mp
 import os
 import secrets
+import time
 import traceback
 
 from ringcomm.store import TCPStore
+from ringcomm.transport.shm import remove_stale
 
 SPAWN = mp.get_context("spawn")
 
@@ -63,24 +65,30 @@ class World:
 
     def run(self, fn, *args, timeout: float = 60.0, ranks=None):
         """fn(comm, *args) on every rank (or those in ``ranks``); returns the per-rank results."""
-        if self.broken:
-            raise WorldError("this world was killed by an earlier failure")
         ranks = range(self.n) if ranks is None else ranks
-        for r in ranks:
-            self.conns[r].send((fn, args))
-        results, errors = {}, []
-        for r in ranks:
-            if not self.conns[r].poll(timeout):
-                self.kill()
-                raise WorldError(f"rank {r} gave no answer within {timeout} s running {fn.__name__}")
-            status, value = self.conns[r].recv()
-            if status == "ok":
-                results[r] = value
-            else:
-                errors.append(f"rank {r}: {value}")
+        self.start(fn, *args, ranks=ranks)
+        answers = self.collect(ranks, timeout, fn.__name__)
+        errors = [f"rank {r}: {value}" for r, (status, value) in answers.items() if status != "ok"]
         if errors:
             raise WorldError("\n".join(errors))
-        return [results[r] for r in ranks]
+        return [answers[r][1] for r in ranks]
+
+    def start(self, fn, *args, ranks=None):
+        if self.broken:
+            raise WorldError("this world was killed by an earlier failure")
+        for r in range(self.n) if ranks is None else ranks:
+            self.conns[r].send((fn, args))
+
+    def collect(self, ranks, timeout: float, what: str = "its call") -> dict:
+        """{rank: ("ok", value) | ("err", text)} for each rank, all within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        answers = {}
+        for r in ranks:
+            if not self.conns[r].poll(max(0.0, deadline - time.monotonic())):
+                self.kill()
+                raise WorldError(f"rank {r} gave no answer within {timeout} s running {what}")
+            answers[r] = self.conns[r].recv()
+        return answers
 
     def kill(self):
         self.broken = True
@@ -106,7 +114,7 @@ class World:
             p.join(5)
         for c in self.conns:
             c.close()
-        self.conns = [c for c in self.conns if not c.closed]
+        remove_stale(self.job)  # what ringcomm-run does for a job whose rank was SIGKILLed
 
     def leftovers(self) -> list[str]:
         return glob.glob(f"/dev/shm/rc-{self.job}-*")

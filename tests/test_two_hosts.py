@@ -6,10 +6,12 @@ so ranks across the pair talk TCP over the veth while ranks on one side use shar
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -72,3 +74,39 @@ def test_two_hosts_over_veth(two_hosts):
     text = "\n".join(outs)
     assert [p.returncode for p in procs] == [0, 0], text
     assert text.count("OK") == 4, text
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_cut_link_between_hosts(two_hosts, tmp_path):
+    """`ip link set down` on the veth mid-collective: both ranks time out naming each other."""
+    (ns_a, dev_a, addr_a), (ns_b, _, _) = two_hosts
+    loop = os.path.join(os.path.dirname(__file__), "scripts", "allreduce_loop.py")
+    token = secrets.token_hex(8)
+    procs = []
+    for node, ns in enumerate((ns_a, ns_b)):
+        env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_TIMEOUT="5", PID_DIR=str(tmp_path),
+                   RINGCOMM_JOB_ID=f"cut{node}{token[:6]}")
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "1", "--nnodes", "2",
+               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29518", "--grace", "5", loop]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "ranks did not start"
+            time.sleep(0.05)  # polling for files with a deadline
+        _ip("-n", ns_a, "link", "set", dev_a, "down")
+        t0 = time.monotonic()
+        outs = [p.communicate(timeout=40)[0] for p in procs]
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    text = "\n".join(outs)
+    assert [p.returncode != 0 for p in procs] == [True, True], text
+    assert elapsed < 25, f"{elapsed:.1f} s to notice the cut link\n{text}"
+    for r, peer in ((0, 1), (1, 0)):
+        assert re.search(rf"\[rank {r}\] ERROR rank {r} \(this process\) .*all_reduce #\d+ .*rank {peer} over tcp",
+                         text), text

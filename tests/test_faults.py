@@ -1,0 +1,200 @@
+"""Faults: every surviving rank ends with a clear error within its deadline, nothing is left behind.
+
+A killed rank, a stalled rank (SIGSTOP), a mismatched collective and a store that
+dies while ranks connect. (A link cut between two hosts is in test_two_hosts.py.)
+Worlds leave no segment in /dev/shm: harness.World checks that on exit.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import ringcomm
+from cases import run_case, sample_cases
+from harness import World
+
+TIMEOUT = 6.0  # RINGCOMM_TIMEOUT of the faulty worlds
+FAULT_ENV = {"RINGCOMM_TIMEOUT": str(TIMEOUT), "RINGCOMM_BUFFSIZE": "65536"}
+
+
+def _collectives_until_error(comm, seed):
+    """Random collectives (the same sequence on every rank) until one raises; returns its text."""
+    cases = [c for c in sample_cases(comm.world_size, seed, big=0) if c["count"] > 0]
+    deadline = time.monotonic() + 60
+    i = 0
+    warm_up_kernels()
+    try:
+        while time.monotonic() < deadline:
+            case = dict(cases[i % len(cases)], count=5000 + 3 * i)
+            err = run_case(comm, case)
+            assert err is None, err
+            if i == 0:
+                comm._store.add("faults/started", 1)
+            i += 1
+    except ringcomm.RingcommError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def warm_up_kernels():
+    """Compile (or load from numba's cache) the 16-bit kernels before the clock matters: a
+    rank compiling for a second looks, to peers with a short timeout, like a stalled one."""
+    from ringcomm.kernels.host import BFLOAT16, FLOAT16, reduce_copy
+    for dt in (FLOAT16, BFLOAT16):
+        x = np.ones(4, dt)
+        for op in ("sum", "prod", "min", "max"):
+            reduce_copy(x, x, x, op)
+
+
+def _wait_started(world, n, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while world.store.add("faults/started", 0) < n:
+        assert time.monotonic() < deadline, "the ranks did not start their collectives"
+        time.sleep(0.01)  # polling a counter with a deadline
+
+
+def _assert_clear_errors(answers, victim):
+    for r, (status, text) in answers.items():
+        assert status == "ok", f"rank {r} crashed instead of raising a ringcomm error: {text}"
+        assert re.search(rf"^\w+: rank {r} \(this process\)", text), f"rank {r}: {text}"
+        assert re.search(r"#\d+", text), f"rank {r} does not name the collective: {text}"
+        assert re.search(rf"rank (?!{r}\b)\d+", text), f"rank {r} does not name a peer: {text}"
+        assert re.search(r"over (shm|tcp)", text), f"rank {r}: {text}"
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_killed_rank(n):
+    rnd = random.Random()
+    victim = rnd.randrange(n)
+    with World(n, FAULT_ENV, timeout=TIMEOUT) as world:
+        world.start(_collectives_until_error, rnd.randrange(1000))
+        _wait_started(world, n)
+        time.sleep(rnd.uniform(0, 0.3))  # the fault's random moment, not synchronisation
+        world.procs[victim].kill()
+        survivors = [r for r in range(n) if r != victim]
+        t0 = time.monotonic()
+        answers = world.collect(survivors, TIMEOUT * 2 + 10)
+        assert time.monotonic() - t0 < TIMEOUT * 2 + 5
+        _assert_clear_errors(answers, victim)
+
+
+@pytest.mark.timeout(90)
+def test_stalled_rank_shows_in_the_table():
+    n, victim = 4, 2
+    with World(n, FAULT_ENV, timeout=TIMEOUT) as world:
+        world.start(_collectives_until_error, 7)
+        _wait_started(world, n)
+        os.kill(world.procs[victim].pid, signal.SIGSTOP)
+        try:
+            survivors = [r for r in range(n) if r != victim]
+            answers = world.collect(survivors, TIMEOUT * 3 + 10)
+        finally:
+            world.procs[victim].kill()  # SIGKILL ends a stopped process too
+        _assert_clear_errors(answers, victim)
+        texts = [text for _, text in answers.values()]
+        assert any("timed out" in t for t in texts), texts
+        tables = [t for t in texts if "where every rank was" in t]
+        assert len(tables) == 1, texts  # only the first rank to time out prints the table
+        assert re.search(rf"^\s+{victim}\s+no answer", tables[0], re.M), tables[0]
+
+
+def _mismatched(comm):
+    x = np.ones(999 if comm.rank == 1 else 1000, np.float32)
+    try:
+        comm.all_reduce(x)
+    except ringcomm.RingcommError as e:
+        first = str(e)
+    else:
+        first = "no error"
+    try:
+        if comm.rank == 0:
+            comm.broadcast(np.ones(8, np.int32), root=0)
+        else:
+            comm.all_reduce(np.ones(8, np.int32))
+    except ringcomm.RingcommError as e:
+        return first, str(e)
+    return first, "no error"
+
+
+@pytest.mark.timeout(60)
+def test_mismatched_collective_is_named_on_every_rank():
+    with World(3, {"RINGCOMM_DEBUG": "check", **FAULT_ENV}, timeout=TIMEOUT) as world:
+        results = world.run(_mismatched, timeout=30)
+    for r, (first, second) in enumerate(results):
+        assert f"rank {r} (this process): the ranks disagree" in first
+        assert "ranks 0, 2 called collective #1: all_reduce(count=1000" in first, first
+        assert "rank 1 called collective #1: all_reduce(count=999" in first, first
+        assert "rank 0 called collective #2: broadcast(count=8, dtype=int32, root=0" in second, second
+        assert "ranks 1, 2 called collective #2: all_reduce(count=8, dtype=int32, op=sum" in second, second
+
+
+def _rank_in_dead_store(rank, port, queue):
+    from ringcomm.store import TCPStore
+    try:
+        comm = ringcomm.init(rank, 3, store=TCPStore("127.0.0.1", port, is_server=False, timeout=TIMEOUT),
+                             timeout=TIMEOUT)
+        comm.all_reduce(np.ones(10))
+        queue.put((rank, "no error"))
+    except ringcomm.RingcommError as e:
+        queue.put((rank, f"{type(e).__name__}: {e}"))
+
+
+def _serve_store(port_queue):
+    from ringcomm.store import TCPStore
+    store = TCPStore("127.0.0.1", 0, is_server=True, timeout=60)
+    port_queue.put(store.port)
+    threading_event_forever()
+
+
+def threading_event_forever():
+    import threading
+    threading.Event().wait()
+
+
+@pytest.mark.timeout(60)
+def test_store_dies_while_ranks_connect():
+    """Ranks 0 and 1 wait in the store for rank 2, which never comes; the store process dies."""
+    from harness import SPAWN
+    q = SPAWN.Queue()
+    server = SPAWN.Process(target=_serve_store, args=(q,), daemon=True)
+    server.start()
+    port = q.get(timeout=30)
+    ranks = [SPAWN.Process(target=_rank_in_dead_store, args=(r, port, q), daemon=True) for r in (0, 1)]
+    try:
+        for p in ranks:
+            p.start()
+        deadline = time.monotonic() + 30
+        while not _store_has_clients(port, 2) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling with a deadline
+        server.kill()
+        t0 = time.monotonic()
+        got = dict(q.get(timeout=TIMEOUT + 10) for _ in ranks)
+        assert time.monotonic() - t0 < TIMEOUT + 5
+    finally:
+        for p in ranks + [server]:
+            p.kill()
+            p.join(5)
+    for r in (0, 1):
+        assert re.search(rf"^\w+: rank {r} \(this process\)", got[r]), got[r]
+    # The rank that was waiting in the store says so; its peer may instead see that rank close its links.
+    lost_store = [t for t in got.values() if re.search(r"could not (connect to rank \d|join).*store", t)]
+    assert lost_store, got
+
+
+def _store_has_clients(port, n):
+    """True once n ranks have joined (each published its host id), read with a fresh client."""
+    from ringcomm.store import TCPStore
+    try:
+        with TCPStore("127.0.0.1", port, is_server=False, timeout=2) as probe:
+            for r in range(n):
+                probe.get(f"c1/host/{r}", timeout=0.05)
+            return True
+    except ringcomm.RingcommError:
+        return False
