@@ -313,6 +313,8 @@ def copy(dst, src, stream=None):
     if dst.dtype != src.dtype or tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"copy needs one dtype and shape, got {dst.dtype}{dst.shape} and {src.dtype}{src.shape}")
     if dst.size:
+        if dst.dtype == BFLOAT16:                   # numba knows no bfloat16: copy the bits
+            dst, src = dst.view(np.uint16), src.view(np.uint16)
         dst.copy_to_device(src, stream=as_stream(stream))
     return dst
 

@@ -1,19 +1,37 @@
 """Checking user buffers before any byte moves: a bad buffer is the caller's
-error, raised on the calling rank, never a corrupted result on another."""
+error, raised on the calling rank, never a corrupted result on another.
+
+Host buffers are numpy arrays. Device buffers are CUDA memory: numba device arrays,
+cupy arrays, torch CUDA tensors, anything with ``__cuda_array_interface__``, and
+DLPack producers on a CUDA device (through cupy). Both become flat 1-D views, no
+copy: numpy arrays, or numba device arrays for device memory. One call takes host
+buffers or device buffers, never both: ringcomm does not copy between them.
+
+The stream rule (NCCL's): a collective on device buffers is ordered after the work
+already queued on the caller's current stream, and its result is ready on that
+stream when the call returns -- the host does not wait for the GPU. The caller's
+current stream is torch.cuda.current_stream() for a torch tensor, the stream in
+``__cuda_array_interface__`` (cupy puts its current stream there), a numba
+array's bound stream, else the legacy default stream. Keep the buffers alive and
+unchanged until that stream has passed the collective, as with NCCL.
+"""
 from __future__ import annotations
+
+import importlib
+import sys
 
 import numpy as np
 
-from ringcomm.kernels.host import SUPPORTED_DTYPES
+from ringcomm.kernels.host import BFLOAT16, SUPPORTED_DTYPES
 
 
 def host_array(buf, what: str, *, writable: bool) -> np.ndarray:
     """The buffer as a flat 1-D view (no copy), or a TypeError / ValueError that says why not."""
     if not isinstance(buf, np.ndarray):
-        if hasattr(buf, "__cuda_array_interface__"):
-            raise TypeError(f"{what} is a device (CUDA) buffer; this build of ringcomm handles host "
-                            f"(numpy) buffers only")
-        raise TypeError(f"{what} must be a numpy array, got {type(buf).__name__}")
+        if is_device_buffer(buf):
+            return device_array(buf, what, writable=writable)
+        raise TypeError(f"{what} must be a numpy array or a CUDA device array (cupy, torch, numba), "
+                        f"got {type(buf).__name__}")
     if buf.dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"{what} has dtype {buf.dtype}, which ringcomm does not reduce; supported: {names}")
@@ -25,6 +43,9 @@ def host_array(buf, what: str, *, writable: bool) -> np.ndarray:
 
 
 def same_dtype(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    if isinstance(a, np.ndarray) != isinstance(b, np.ndarray):
+        raise TypeError(f"{what}: one is in host memory and the other on a CUDA device; ringcomm does not "
+                        f"copy between them: pass both on the device or both on the host")
     if a.dtype != b.dtype:
         raise TypeError(f"{what}: dtypes differ ({a.dtype} and {b.dtype}); ringcomm does not convert")
 
@@ -32,3 +53,101 @@ def same_dtype(a: np.ndarray, b: np.ndarray, what: str) -> None:
 def expect_size(arr: np.ndarray, size: int, what: str) -> None:
     if arr.size != size:
         raise ValueError(f"{what} has {arr.size} elements, expected {size}")
+
+
+def address(arr) -> int:
+    """Where a flat view (numpy or device) starts."""
+    if isinstance(arr, np.ndarray) or not hasattr(arr, "__cuda_array_interface__"):
+        return arr.__array_interface__["data"][0]       # numpy, and the CUDA simulator's arrays
+    return arr.__cuda_array_interface__["data"][0]
+
+
+def overlaps(a, b) -> bool:
+    """Whether two flat views share any byte."""
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.shares_memory(a, b))
+    pa, pb = address(a), address(b)
+    return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+# --- device buffers --------------------------------------------------------------------------------------
+
+def _torch_tensor(buf) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(buf, torch.Tensor)
+
+
+def is_device_buffer(buf) -> bool:
+    """Whether buf is CUDA memory, decided without touching the GPU."""
+    if _torch_tensor(buf):
+        return buf.is_cuda
+    if getattr(buf, "__cuda_ndarray__", False) or hasattr(type(buf), "__cuda_array_interface__"):
+        return True
+    try:
+        return buf.__dlpack_device__()[0] == 2      # kDLCUDA
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def _extra(module: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"device buffers need {module}: pip install 'ringcomm[cuda]' ({e})") from e
+
+
+def device_array(buf, what: str, *, writable: bool):
+    """A CUDA buffer as a flat numba device array bound to the caller's stream (no copy, no sync)."""
+    if type(buf).__name__ == "FakeCUDAArray":       # numba's CUDA simulator (tests): no pointers, no streams
+        _check_device(np.dtype(buf.dtype), buf.is_c_contiguous(), False, what, writable)
+        return buf.reshape(buf.size)
+    if _torch_tensor(buf):
+        desc, dtype = _torch_interface(buf, what)
+    else:
+        if not hasattr(buf, "__cuda_array_interface__"):
+            buf = _extra("cupy").from_dlpack(buf)   # a DLPack producer on a CUDA device
+        desc = buf.__cuda_array_interface__
+        dtype = getattr(buf, "dtype", None)
+        dtype = dtype if isinstance(dtype, np.dtype) else np.dtype(desc["typestr"])
+    shape, strides = tuple(desc["shape"]), desc.get("strides")
+    size = int(np.prod(shape, dtype=np.int64))
+    itemsize = np.dtype(desc["typestr"]).itemsize
+    contiguous = strides is None or size <= 1 or tuple(strides) == _c_strides(shape, itemsize)
+    _check_device(dtype, contiguous, bool(desc["data"][1]), what, writable)
+    flat = {"shape": (size,), "strides": None, "typestr": desc["typestr"], "data": (desc["data"][0], False),
+            "version": 3, "stream": desc.get("stream")}
+    arr = _extra("numba.cuda").from_cuda_array_interface(flat, owner=buf, sync=False)
+    arr = arr if arr.dtype == dtype else arr.view(dtype)
+    arr.itemsize = dtype.itemsize                   # numpy's attribute, which the executor reads
+    return arr
+
+
+def _torch_interface(t, what):
+    """torch's interface has no bfloat16 and no stream: view bfloat16 as int16, and name the current stream."""
+    import torch
+    t = t.detach()
+    bf16 = t.dtype == torch.bfloat16
+    try:
+        desc = dict((t.view(torch.int16) if bf16 else t).__cuda_array_interface__)
+    except (TypeError, KeyError, RuntimeError) as e:
+        raise TypeError(f"{what} has dtype {t.dtype}, which ringcomm does not reduce ({e})") from None
+    desc["stream"] = torch.cuda.current_stream(t.device).cuda_stream or None    # 0: the legacy default
+    return desc, np.dtype(BFLOAT16) if bf16 else np.dtype(desc["typestr"])
+
+
+def _c_strides(shape, itemsize) -> tuple:
+    strides, step = [], itemsize
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _check_device(dtype, contiguous, readonly, what, writable) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"{what} has dtype {dtype}, which ringcomm does not reduce; supported: {names}")
+    if not contiguous:
+        raise ValueError(f"{what} is not C-contiguous; pass a contiguous copy")
+    if writable and readonly:
+        raise ValueError(f"{what} is read-only, but the collective writes into it")

@@ -8,7 +8,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import check
-from .buffers import expect_size, host_array, same_dtype
+from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
 from .ops import SUM, as_op
@@ -47,6 +47,7 @@ class Communicator:
         self._closed = False
         self._lock = threading.Lock()  # guards _in_flight against abort() from another thread
         self._in_flight = False
+        self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
 
     # ---- collectives -------------------------------------------------------------------------
 
@@ -134,6 +135,8 @@ class Communicator:
             return
         self._closed = True
         self._links.close()
+        if self._device is not None:
+            self._device.close()
         if self.world_size > 1:
             self._leave_store()
         if self._owns_store:
@@ -188,7 +191,10 @@ class Communicator:
                 raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
             self._in_flight = True
         try:
-            self._executor.run(sched, call)
+            if isinstance(call.inp, np.ndarray):
+                self._executor.run(sched, call)
+            else:
+                self._device_path().run(sched, call)
         except RingcommError as e:
             # A failed collective leaves peers and FIFOs in an unknown state: refuse later
             # calls, and close the links so the peers waiting on this rank learn it now.
@@ -198,6 +204,12 @@ class Communicator:
             raise
         finally:
             self._in_flight = False
+
+    def _device_path(self):
+        if self._device is None:
+            from .device import DevicePath
+            self._device = DevicePath(self._links, self._executor)
+        return self._device
 
     def _next_seq(self) -> int:
         if self._closed:
@@ -225,7 +237,7 @@ class Communicator:
         y = host_array(out, f"{name} out", writable=True)
         same_dtype(x, y, f"{name} buf and out")
         expect_size(y, size, f"{name} out")
-        if np.shares_memory(x, y) and not _aliases_ok(x, y, name, self.rank):
+        if overlaps(x, y) and not _aliases_ok(x, y, name, self.rank):
             raise ValueError(f"{name}: buf and out overlap without being the same memory")
         return y
 
@@ -238,7 +250,7 @@ class Communicator:
 
 def _aliases_ok(x, y, name, rank) -> bool:
     """In place is allowed where torch allows it: out is buf, or buf is out's own block."""
-    xp, yp = x.__array_interface__["data"][0], y.__array_interface__["data"][0]
+    xp, yp = address(x), address(y)
     if name == "all_gather":
         return xp == yp + rank * x.nbytes
     return xp == yp and x.size == y.size

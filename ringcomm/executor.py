@@ -36,6 +36,7 @@ class Call:
     out: np.ndarray    # 1-D, same dtype (may be inp)
     m: int             # the range count the layouts refer to
     op: str = "sum"
+    dev: object = None  # device buffers: ringcomm.device.DeviceSteps does each slice's work on the GPU
 
 
 def chunk_span(layout: str, nchunks: int, c: int, a: int, b: int, m: int) -> tuple[int, int]:
@@ -86,12 +87,15 @@ class Executor:
         dsts = [self._acquire(p, call, k, nslice) for p in step.dst]
         x_in = call.inp[io:io + k]
         x_out = call.out[oo:oo + k]
-        value = _compute(step, call, x_in, x_out, srcs, dsts, self.world_size)
-        if step.copies and not _same(value, x_out):
-            x_out[...] = value
-        for d in dsts:
-            if not _same(value, d):
-                d[...] = value
+        if call.dev is None:
+            value = _compute(step, call, x_in, x_out, srcs, dsts, self.world_size)
+            if step.copies and not _same(value, x_out):
+                x_out[...] = value
+            for d in dsts:
+                if not _same(value, d):
+                    d[...] = value
+        else:
+            call.dev.apply(step, call, x_in, x_out, srcs, dsts, self.world_size)
         for p in step.src:
             self.links(p, "recv").release()
         for p in step.dst:

@@ -150,7 +150,8 @@ class _Link:
             if backoff.n & 63:
                 continue
             if abort is not None and abort.is_set():
-                raise Aborted(f"aborted while waiting for {what} rank {self.peer}", peer=self.peer, transport="shm")
+                raise Aborted(f"aborted while waiting for {what} rank {self.peer}", peer=self.peer,
+                              transport=self.transport)
             now = time.monotonic()
             if now >= next_patrol:
                 self._check_peer(what)
@@ -158,18 +159,18 @@ class _Link:
                     watchdog()
                 next_patrol = now + PATROL_PERIOD
             if now > deadline:
-                raise PeerTimeout(f"waiting for {what} rank {self.peer} over shm",
-                                  peer=self.peer, transport="shm")
+                raise PeerTimeout(f"waiting for {what} rank {self.peer} over {self.transport}",
+                                  peer=self.peer, transport=self.transport)
 
     def _check_peer(self, what: str) -> None:
         words = self.seg.words
         if words[self._peer_closed_word]:
             raise PeerGone(f"rank {self.peer} closed its end of the link while this rank waited for {what} it",
-                           peer=self.peer, transport="shm")
+                           peer=self.peer, transport=self.transport)
         pid = int(words[self._peer_pid_word])
         if not _pid_alive(pid):
             raise PeerGone(f"rank {self.peer} (pid {pid}) died while this rank waited for {what} it",
-                           peer=self.peer, transport="shm")
+                           peer=self.peer, transport=self.transport)
 
 
 class ShmSend(_Link, SendConnection):

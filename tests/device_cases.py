@@ -1,0 +1,110 @@
+"""The collective matrix on device buffers: tests/cases.py's cases, with every buffer moved to the device.
+
+Used by the simulator test (numba's CUDA simulator, on the CPU) and by the GPU tests (numba, cupy and torch
+buffers on a real GPU). ``kind`` names how buffers are made: "numba" (numba.cuda.to_device: also what the
+simulator has), "cupy" or "torch".
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cases import compare, make_input, reference
+
+
+def to_device(x: np.ndarray, kind: str):
+    if kind == "numba":
+        from numba import cuda
+        return cuda.to_device(x)
+    if kind == "cupy":
+        import cupy
+        return cupy.asarray(x)
+    if kind == "torch":
+        import torch
+        if x.dtype.name == "bfloat16":
+            return torch.from_numpy(x.view(np.int16).copy()).cuda().view(torch.bfloat16)
+        return torch.from_numpy(x.copy()).cuda()
+    raise ValueError(kind)
+
+
+def to_host(d, kind: str, dtype) -> np.ndarray:
+    """Copy back, after the caller's stream has finished the collective."""
+    if kind == "numba":
+        return d.copy_to_host()
+    if kind == "cupy":
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+        return cupy.asnumpy(d)
+    import torch
+    torch.cuda.current_stream().synchronize()
+    if d.dtype == torch.bfloat16:
+        return d.view(torch.int16).cpu().numpy().view(dtype)
+    return d.cpu().numpy()
+
+
+def empty(kind: str, n: int, dtype):
+    return to_device(np.zeros(n, dtype), kind)
+
+
+def run_device_case(comm, case: dict, kind: str) -> str | None:
+    """cases.run_case with device buffers; None when right, else what went wrong."""
+    n, r = comm.world_size, comm.rank
+    coll, count, root = case["collective"], case["count"], case["root"]
+    insize = count * n if coll == "reduce_scatter" else count
+    inputs = [make_input(case, k, insize) for k in range(n)]
+    dt = inputs[r].dtype
+    x = to_device(inputs[r], kind)
+    kw = {"algo": case["algo"]}
+    if coll == "all_reduce":
+        out = None if case["inplace"] else empty(kind, count, dt)
+        got = comm.all_reduce(x, case["op"], out=out, **kw)
+        want = reference(case, inputs)
+    elif coll == "reduce":
+        out = None if case["inplace"] else empty(kind, count, dt)
+        got = comm.reduce(x, root, case["op"], out=out, **kw)
+        want = reference(case, inputs) if r == root else (inputs[r] if case["inplace"] else np.zeros_like(inputs[r]))
+    elif coll == "broadcast":
+        got = comm.broadcast(x, root, **kw)
+        want = inputs[root]
+    elif coll == "all_gather":
+        whole = np.zeros(count * n, dt)
+        whole[r * count:(r + 1) * count] = inputs[r]
+        got = to_device(whole, kind)
+        if case["inplace"]:
+            x = got[r * count:(r + 1) * count]
+        comm.all_gather(x, got, **kw)
+        want = np.concatenate(inputs)
+    else:
+        got = x[r * count:(r + 1) * count] if case["inplace"] else empty(kind, count, dt)
+        comm.reduce_scatter(x, got, case["op"], **kw)
+        want = reference(case, inputs)[r * count:(r + 1) * count]
+    return compare(to_host(got, kind, dt), want, {**case, "buffers": kind})
+
+
+def run_device_cases(comm, cases: list[dict], kind: str) -> list[str]:
+    return [err for err in (run_device_case(comm, c, kind) for c in cases) if err]
+
+
+def p2p_and_world_checks(comm, kind: str) -> list[str]:
+    """send / recv around a ring of device buffers, and a mixed host / device call that must fail."""
+    n, r = comm.world_size, comm.rank
+    errors = []
+    if n > 1:
+        mine = to_device(np.arange(500, dtype=np.float32) * (r + 1), kind)
+        got = empty(kind, 500, np.float32)
+        nxt, prev = (r + 1) % n, (r - 1) % n
+        if r % 2 == 0:
+            comm.send(mine, nxt)
+            comm.recv(got, prev)
+        else:
+            comm.recv(got, prev)
+            comm.send(mine, nxt)
+        want = np.arange(500, dtype=np.float32) * (prev + 1)
+        if not np.array_equal(to_host(got, kind, np.float32), want):
+            errors.append(f"rank {r}: recv from {prev} got the wrong data")
+    try:
+        comm.all_reduce(np.ones(4, np.float32), out=empty(kind, 4, np.float32))
+        errors.append(f"rank {r}: a host buf with a device out was accepted")
+    except TypeError as e:
+        if "host memory and the other on a CUDA device" not in str(e):
+            errors.append(f"rank {r}: unclear mixing error: {e}")
+    return errors
