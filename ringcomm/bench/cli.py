@@ -97,7 +97,8 @@ def run_job(backend, a, algos, progress):
                 facts = ev["facts"]
             elif ev["event"] == "row":
                 label = ev["algo"] or "auto"
-                progress.step(f"{backend} {label} {ev['size']} B")
+                name = f"ringcomm {label}" if backend == "ringcomm" else backend
+                progress.step(f"{name} {ev['size']} B {'in' if ev['in_place'] else 'out-of'}-place")
                 key = (label, ev["index"])
                 pending.setdefault(key, {})["ip" if ev["in_place"] else "oop"] = ev
                 if len(pending[key]) == 2:
