@@ -91,12 +91,16 @@ class Job:
         self.job_id = cfg["job_id"]
         self.procs, self.logs, self.lines = [], [], queue.Queue()
         cmds, envs = _commands(backend, n, cfg)
-        for i, (cmd, env) in enumerate(zip(cmds, envs)):
-            log = tempfile.TemporaryFile()
-            self.logs.append(log)
-            self.procs.append(subprocess.Popen(
-                cmd, env=env, stdin=subprocess.DEVNULL, stderr=log, start_new_session=True,
-                stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL))
+        try:
+            for i, (cmd, env) in enumerate(zip(cmds, envs)):
+                log = tempfile.TemporaryFile()
+                self.logs.append(log)
+                self.procs.append(subprocess.Popen(
+                    cmd, env=env, stdin=subprocess.DEVNULL, stderr=log, start_new_session=True,
+                    stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL))
+        except OSError as e:  # those already started must not outlive the failure
+            self.close()
+            raise JobFailed(f"could not start {cmds[len(self.procs)][0]}: {e}") from None
         threading.Thread(target=self._read, args=(self.procs[0].stdout,), daemon=True).start()
 
     @property
