@@ -12,16 +12,18 @@ from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
 from .ops import SUM, as_op
-from .schedule import p2p, ring, tree
+from .schedule import direct, p2p, recursive, ring, tree
 
 # Algorithms per collective; the first is the fallback when RINGCOMM_ALGO names
 # one that the collective does not have.
 ALGOS = {
-    "all_reduce": {"ring": ring.ring_all_reduce, "tree": tree.tree_all_reduce},
-    "reduce_scatter": {"ring": ring.ring_reduce_scatter},
-    "all_gather": {"ring": ring.ring_all_gather},
-    "broadcast": {"ring": ring.ring_broadcast, "tree": tree.tree_broadcast},
-    "reduce": {"ring": ring.ring_reduce, "tree": tree.tree_reduce},
+    "all_reduce": {"ring": ring.ring_all_reduce, "tree": tree.tree_all_reduce,
+                   "rabenseifner": recursive.rabenseifner_all_reduce, "oneshot": direct.oneshot_all_reduce},
+    "reduce_scatter": {"ring": ring.ring_reduce_scatter, "halving": recursive.halving_reduce_scatter},
+    "all_gather": {"ring": ring.ring_all_gather, "doubling": recursive.doubling_all_gather,
+                   "bruck": direct.bruck_all_gather},
+    "broadcast": {"ring": ring.ring_broadcast, "tree": tree.tree_broadcast, "binomial": direct.binomial_broadcast},
+    "reduce": {"ring": ring.ring_reduce, "tree": tree.tree_reduce, "binomial": direct.binomial_reduce},
 }
 TREE_MAX_BYTES = 64 * 1024  # below this, latency (steps on the critical path) beats bandwidth
 

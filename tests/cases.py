@@ -20,8 +20,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32",
 OPS = ("sum", "prod", "min", "max", "avg")
 COUNTS = (0, 1, 7, 1000, 2**20 + 3)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
-ALGOS = {"all_reduce": (None, "ring", "tree"), "broadcast": (None, "ring", "tree"),
-         "reduce": (None, "ring", "tree"), "all_gather": (None, "ring"), "reduce_scatter": (None, "ring")}
+ALGOS = {"all_reduce": (None, "ring", "tree", "rabenseifner", "oneshot"),
+         "broadcast": (None, "ring", "tree", "binomial"), "reduce": (None, "ring", "tree", "binomial"),
+         "all_gather": (None, "ring", "doubling", "bruck"), "reduce_scatter": (None, "ring", "halving")}
 
 
 def dtype_of(name: str) -> np.dtype:

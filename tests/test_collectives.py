@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cases import COUNTS, DTYPES, OPS, run_cases, sample_cases
+from cases import ALGOS, COUNTS, DTYPES, OPS, run_cases, sample_cases
 from harness import World
 
 SMALL_FIFO = {"RINGCOMM_BUFFSIZE": "4096", "RINGCOMM_NSLOTS": "4"}  # 1 KiB slots
@@ -40,8 +40,8 @@ def test_matrix_covers_every_axis():
             assert {c[axis] for c in cases} == set(values), axis
         assert {c["root"] for c in cases} == {0, n - 1}
         assert {c["inplace"] for c in cases} == {True, False}
-        for coll in ("all_reduce", "broadcast", "reduce"):
-            assert {c["algo"] for c in cases if c["collective"] == coll} == {None, "ring", "tree"}
+        for coll, algos in ALGOS.items():
+            assert {c["algo"] for c in cases if c["collective"] == coll} == set(algos)
 
 
 def _p2p_and_barrier(comm):
