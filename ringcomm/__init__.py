@@ -5,6 +5,7 @@
     comm.all_reduce(x, ringcomm.SUM)  # in place
 """
 from .algorithms import register_algorithm, unregister_algorithm, verify
+from .model import cost, cost_breakdown, fit
 from .comm import Communicator
 from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreError,
                      StoreTimeout)
@@ -14,4 +15,4 @@ from .ops import AVG, MAX, MIN, PROD, SUM, ReduceOp
 __version__ = "0.1.0"
 __all__ = ["init", "Communicator", "ReduceOp", "SUM", "PROD", "MIN", "MAX", "AVG", "RingcommError",
            "CollectiveTimeout", "PeerFailure", "CommunicatorClosed", "StoreError", "StoreTimeout",
-           "register_algorithm", "unregister_algorithm", "verify"]
+           "register_algorithm", "unregister_algorithm", "verify", "cost", "cost_breakdown", "fit"]

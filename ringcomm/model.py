@@ -1,0 +1,187 @@
+"""The cost model at the user's level: cost(), fit() to ringcomm-bench figures, automatic choice.
+
+    ringcomm.cost("all_reduce", "ring", 8, 2**20, alpha=2e-5, beta=2e-10, gamma=3e-10)
+    params = ringcomm.fit("bench.json")            # or rows of (collective, algo, n, nbytes, seconds)
+
+cost() builds every rank's schedule of the named algorithm and runs schedule/cost.py over
+them (see there for the model). fit() finds the alpha, beta, gamma (all >= 0) that best explain
+measured times in relative terms: each row contributes (model / measured - 1)^2, so a 20 us call
+weighs as much as a 20 ms one. The model's time is linear in the three for a fixed slowest path,
+so fit() solves a small nonnegative least-squares problem, recomputes the paths with the result
+and repeats until they settle.
+
+Automatic choice (algo=None): among AUTO's algorithms for the collective, the one the model
+says is fastest at this world size and message size, with the parameters of RINGCOMM_MODEL (a
+JSON file as written by ``fit(...).save(path)``) or else DEFAULT. RINGCOMM_DEBUG=info prints the
+choice and the modelled times to stderr once per collective, world size and power-of-two size class.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from . import algorithms
+from .schedule.cost import Cost, model_cost
+
+# Fitted on this machine kind (2 cores, shm): see docs/cost_model.md for the run.
+DEFAULT = {"alpha": 3.0e-5, "beta": 2.5e-10, "gamma": 4.0e-10}
+# Algorithms automatic choice may pick: never oneshot (ranks combine in different orders).
+AUTO = {"all_reduce": ("ring", "tree", "rabenseifner"), "reduce_scatter": ("ring", "halving"),
+        "all_gather": ("ring", "bruck", "doubling"), "broadcast": ("ring", "tree", "binomial"),
+        "reduce": ("ring", "tree", "binomial")}
+
+
+@dataclass
+class Params:
+    alpha: float
+    beta: float
+    gamma: float
+    rows: int = 0
+    rms_relative_error: float = 0.0
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(asdict(self), f, indent=1)
+
+
+def cost_breakdown(collective, algo, world_size, nbytes, alpha, beta, gamma, *, root=None,
+                   model="rounds") -> Cost:
+    """cost() with its parts: Cost.seconds, the coefficients of alpha, beta, gamma along the slowest
+    path (alphas, beta_bytes, gamma_bytes) and, for rounds, each stage's time and slowest rank."""
+    if not (isinstance(nbytes, (int, float)) or hasattr(nbytes, "denominator")) or nbytes < 0:
+        raise ValueError(f"nbytes must be a number >= 0, got {nbytes!r}")
+    for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v!r}")
+    if model not in ("rounds", "critical_path"):
+        raise ValueError(f"model must be 'rounds' or 'critical_path', got {model!r}")
+    if collective in algorithms.ROOTED and root is None:
+        root = 0
+    scheds = algorithms.schedules(collective, algo, world_size, root)
+    return model_cost(scheds, nbytes, alpha, beta, gamma, model)
+
+
+def cost(collective, algo, world_size, nbytes, alpha, beta, gamma, *, root=None, model="rounds"):
+    """Modelled seconds of one call: ``nbytes`` is the vector of all_reduce, broadcast and reduce,
+    the gathered output of all_gather, the input of reduce_scatter (the paper's n)."""
+    return cost_breakdown(collective, algo, world_size, nbytes, alpha, beta, gamma, root=root,
+                          model=model).seconds
+
+
+def load_bench(path) -> list[tuple]:
+    """Rows (collective, algo, n, nbytes, seconds) of a ``ringcomm-bench --json`` file: each algorithm
+    run by name, out-of-place times (rows run with automatic choice are skipped: which algorithm
+    ran is not recorded)."""
+    with open(path) as f:
+        doc = json.load(f)
+    try:
+        coll, n = doc["config"]["collective"], int(doc["config"]["ranks"])
+        runs = doc["ringcomm"]["rows"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a ringcomm-bench --json file (missing {e})") from None
+    return [(coll, algo, n, int(r["size"]), float(r["oop"]["seconds"]))
+            for algo, rows in runs.items() if algo != "auto" for r in rows if r["size"] > 0]
+
+
+def fit(data, *, model="rounds", iterations=5) -> Params:
+    """alpha, beta, gamma from measurements: ``data`` is a ringcomm-bench JSON path, a list of them,
+    or rows (collective, algo, n, nbytes, seconds)."""
+    rows = _rows(data)
+    if len(rows) < 3:
+        raise ValueError(f"fit needs at least 3 measurements with nbytes > 0, got {len(rows)}")
+    guess = (DEFAULT["alpha"], DEFAULT["beta"], DEFAULT["gamma"])
+    for _ in range(iterations):
+        feats = [_features(r, guess, model) for r in rows]
+        new = _nnls([[f / r[4] for f in fs] for fs, r in zip(feats, rows)], [1.0] * len(rows))
+        if all(abs(a - b) <= 1e-9 * max(abs(b), 1e-30) for a, b in zip(new, guess)):
+            break
+        guess = tuple(new)
+    errs = [cost(*r[:4], *guess, model=model) / r[4] - 1 for r in rows]
+    return Params(*guess, rows=len(rows), rms_relative_error=(sum(e * e for e in errs) / len(errs)) ** 0.5)
+
+
+def _rows(data):
+    if isinstance(data, (str, os.PathLike)):
+        return load_bench(data)
+    rows = []
+    for item in data:
+        if isinstance(item, (str, os.PathLike)):
+            rows += load_bench(item)
+        else:
+            coll, algo, n, nbytes, seconds = item
+            if seconds <= 0:
+                raise ValueError(f"measured seconds must be > 0, got {item!r}")
+            rows.append((coll, algo, int(n), nbytes, float(seconds)))
+    return [r for r in rows if r[3] > 0]
+
+
+def _features(row, params, model):
+    c = cost_breakdown(*row[:4], *params, model=model)
+    return [float(c.alphas), float(c.beta_bytes), float(c.gamma_bytes)]
+
+
+def _nnls(a, b):
+    """min |A x - b| with x >= 0 for three unknowns: the best of every subset of free variables."""
+    import numpy as np
+    A, B = np.asarray(a, float), np.asarray(b, float)
+    scale = np.maximum(np.abs(A).max(axis=0), 1e-300)
+    best = (np.inf, np.zeros(A.shape[1]))
+    for k in range(1, A.shape[1] + 1):
+        for cols in itertools.combinations(range(A.shape[1]), k):
+            x, *_ = np.linalg.lstsq(A[:, cols] / scale[list(cols)], B, rcond=None)
+            if (x >= 0).all():
+                full = np.zeros(A.shape[1])
+                full[list(cols)] = x / scale[list(cols)]
+                err = float(((A @ full - B) ** 2).sum())
+                if err < best[0]:
+                    best = (err, full)
+    return [float(v) for v in best[1]]
+
+
+def params_from_env() -> tuple:
+    path = os.environ.get("RINGCOMM_MODEL", "")
+    if not path:
+        return DEFAULT["alpha"], DEFAULT["beta"], DEFAULT["gamma"]
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return float(doc["alpha"]), float(doc["beta"]), float(doc["gamma"])
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"RINGCOMM_MODEL={path!r}: cannot read alpha, beta, gamma from it: {e}") from None
+
+
+def choose(collective: str, world_size: int, nbytes: int, params=None) -> str:
+    """The AUTO algorithm the model says is fastest; ties go to the earlier one in AUTO."""
+    params = params_from_env() if params is None else tuple(params)
+    size_class = max(0, int(nbytes) - 1).bit_length()  # one choice per power-of-two band
+    algo, times = _choose(collective, world_size, size_class, params)
+    if "info" in os.environ.get("RINGCOMM_DEBUG", "").lower().split(","):
+        _log_once(collective, world_size, size_class, algo, times, params)
+    return algo
+
+
+@lru_cache(maxsize=1024)
+def _choose(collective, world_size, size_class, params):
+    nbytes = 1 << size_class
+    names = [a for a in AUTO.get(collective, ()) if a in algorithms.algorithms(collective)]
+    times = {a: cost(collective, a, world_size, nbytes, *params) for a in names}
+    return min(names, key=lambda a: (times[a], names.index(a))), times
+
+
+_logged: set = set()
+
+
+def _log_once(collective, world_size, size_class, algo, times, params):
+    key = (collective, world_size, size_class)
+    if key in _logged:
+        return
+    _logged.add(key)
+    lo = 1 << (size_class - 1) if size_class else 0
+    shown = ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in sorted(times.items(), key=lambda kv: kv[1]))
+    print(f"ringcomm INFO: {collective} on {world_size} ranks, {lo + 1 if lo else 0}..{1 << size_class} B: "
+          f"chose {algo} (model alpha={params[0]:.3g} s, beta={params[1]:.3g} s/B, gamma={params[2]:.3g} s/B: "
+          f"{shown})", file=sys.stderr, flush=True)

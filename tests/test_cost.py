@@ -1,0 +1,104 @@
+"""ringcomm.cost reproduces Thakur, Rabenseifner and Gropp (IJHPCA 2005) exactly, from the schedules.
+
+p ranks, n bytes (the vector; for all_gather the gathered total, for reduce_scatter the
+input), lg = log2. The formulas as the paper and MPICH's sources (same authors) state them;
+for non-power-of-two Rabenseifner, MPICH's allreduce.c with p' the largest power of two <= p.
+"""
+from __future__ import annotations
+
+import math
+import random
+from fractions import Fraction as F
+
+import pytest
+
+import ringcomm
+from ringcomm.schedule.cost import model_cost
+
+ALPHA, BETA, GAMMA = F(3, 1000), F(7, 10**6), F(11, 10**7)
+N = F(3 * 2**20 + 5)
+
+
+def lg(p):
+    return F(p.bit_length() - 1)
+
+
+def clg(p):
+    return F((p - 1).bit_length())
+
+
+def pof2(p):
+    return 1 << (p.bit_length() - 1)
+
+
+FORMULAS = {  # (collective, algo): (which p, cost(p, n, a, b, g))
+    ("all_reduce", "ring"): ("all", lambda p, n, a, b, g:
+                             2 * (p - 1) * a + 2 * F(p - 1, p) * n * b + F(p - 1, p) * n * g),
+    ("all_reduce", "rabenseifner"): ("pof2", lambda p, n, a, b, g:
+                                     2 * lg(p) * a + 2 * F(p - 1, p) * n * b + F(p - 1, p) * n * g),
+    ("reduce_scatter", "ring"): ("all", lambda p, n, a, b, g:  # the paper's pairwise exchange
+                                 (p - 1) * a + F(p - 1, p) * n * b + F(p - 1, p) * n * g),
+    ("reduce_scatter", "halving"): ("pof2", lambda p, n, a, b, g:
+                                    lg(p) * a + F(p - 1, p) * n * b + F(p - 1, p) * n * g),
+    ("all_gather", "ring"): ("all", lambda p, n, a, b, g: (p - 1) * a + F(p - 1, p) * n * b),
+    ("all_gather", "doubling"): ("pof2", lambda p, n, a, b, g: lg(p) * a + F(p - 1, p) * n * b),
+    ("all_gather", "bruck"): ("all", lambda p, n, a, b, g: clg(p) * a + F(p - 1, p) * n * b),
+    ("broadcast", "binomial"): ("all", lambda p, n, a, b, g: clg(p) * (a + n * b)),
+    ("reduce", "binomial"): ("all", lambda p, n, a, b, g: clg(p) * (a + n * b + n * g)),
+}
+
+
+def rabenseifner_any_p(p, n, a, b, g):
+    """MPICH allreduce.c: (2 lg p' + 2) alpha + (2 (p'-1)/p' + 2) n beta + (1 + (p'-1)/p') n gamma."""
+    q = pof2(p)
+    return (2 * lg(q) + 2) * a + (2 * F(q - 1, q) + 2) * n * b + (1 + F(q - 1, q)) * n * g
+
+
+@pytest.mark.parametrize("key", sorted(FORMULAS))
+def test_paper_closed_forms_exactly(key):
+    which, formula = FORMULAS[key]
+    sizes = [2, 4, 8, 16, 32] if which == "pof2" else list(range(2, 13)) + [16, 17]
+    for p in sizes:
+        for root in ((0, p - 1) if key[0] in ("broadcast", "reduce") else (None,)):
+            got = ringcomm.cost(*key, p, N, ALPHA, BETA, GAMMA, root=root)
+            assert got == formula(p, N, ALPHA, BETA, GAMMA), (key, p, root)
+
+
+@pytest.mark.parametrize("p", [3, 5, 6, 7, 9, 12, 13])
+def test_rabenseifner_non_power_of_two_fold(p):
+    assert ringcomm.cost("all_reduce", "rabenseifner", p, N, ALPHA, BETA, GAMMA) == \
+        rabenseifner_any_p(p, N, ALPHA, BETA, GAMMA)
+
+
+def test_floats_agree_to_1e12_and_critical_path_never_exceeds_rounds():
+    rnd = random.Random(3)
+    for _ in range(40):
+        (coll, algo), (which, formula) = rnd.choice(sorted(FORMULAS.items()))
+        p = rnd.choice([2, 4, 8, 16]) if which == "pof2" else rnd.randint(2, 12)
+        a, b, g, n = rnd.uniform(1e-6, 1e-4), rnd.uniform(1e-11, 1e-9), rnd.uniform(1e-12, 1e-10), rnd.randint(1, 1 << 26)
+        root = 0 if coll in ("broadcast", "reduce") else None
+        got = ringcomm.cost(coll, algo, p, n, a, b, g, root=root)
+        assert math.isclose(got, float(formula(p, F(n), F(a), F(b), F(g))), rel_tol=1e-12)
+        assert ringcomm.cost(coll, algo, p, n, a, b, g, root=root, model="critical_path") <= got * (1 + 1e-12)
+
+
+def test_critical_path_lets_an_idle_leaf_send_early():
+    """Binomial reduce on 5 ranks: rank 4 has nothing to wait for, so off the rounds its message
+    arrives while ranks 2 and 3 still work; the rounds model charges it a round of its own."""
+    rounds = ringcomm.cost("reduce", "binomial", 5, N, ALPHA, BETA, GAMMA, root=0)
+    path = ringcomm.cost("reduce", "binomial", 5, N, ALPHA, BETA, GAMMA, root=0, model="critical_path")
+    assert rounds == 3 * (ALPHA + N * BETA + N * GAMMA)
+    assert path == 2 * (ALPHA + N * BETA) + 3 * N * GAMMA
+
+
+def test_breakdown_and_errors():
+    c = ringcomm.cost_breakdown("all_reduce", "ring", 4, N, ALPHA, BETA, GAMMA)
+    assert (c.alphas, c.beta_bytes, c.gamma_bytes) == (6, F(3, 2) * N, F(3, 4) * N)
+    assert len(c.stages) == 6
+    assert ringcomm.cost("all_reduce", "ring", 1, N, ALPHA, BETA, GAMMA) == 0
+    with pytest.raises(ValueError, match="nbytes"):
+        ringcomm.cost("all_reduce", "ring", 4, -1, ALPHA, BETA, GAMMA)
+    with pytest.raises(ValueError, match="no algorithm"):
+        ringcomm.cost("all_reduce", "nope", 4, N, ALPHA, BETA, GAMMA)
+    with pytest.raises(ValueError, match="model"):
+        ringcomm.cost("all_reduce", "ring", 4, N, ALPHA, BETA, GAMMA, model="fast")
