@@ -123,16 +123,19 @@ def device_array(buf, what: str, *, writable: bool):
 
 
 def _torch_interface(t, what):
-    """torch's interface has no bfloat16 and no stream: view bfloat16 as int16, and name the current stream."""
+    """torch's interface knows neither bfloat16 nor the wider unsigned types, and names no stream: take it from
+    a signed-integer view of the same width, and name torch's current stream."""
     import torch
+    names = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "uint32", "int64", "uint64")
+    dtype = next((np.dtype(BFLOAT16 if n == "bfloat16" else n) for n in names
+                  if getattr(torch, n, None) == t.dtype), None)
+    if dtype is None:
+        raise TypeError(f"{what} has dtype {t.dtype}, which ringcomm does not reduce")
     t = t.detach()
-    bf16 = t.dtype == torch.bfloat16
-    try:
-        desc = dict((t.view(torch.int16) if bf16 else t).__cuda_array_interface__)
-    except (TypeError, KeyError, RuntimeError) as e:
-        raise TypeError(f"{what} has dtype {t.dtype}, which ringcomm does not reduce ({e})") from None
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    desc = dict((t if t.dtype == bits else t.view(bits)).__cuda_array_interface__)
     desc["stream"] = torch.cuda.current_stream(t.device).cuda_stream or None    # 0: the legacy default
-    return desc, np.dtype(BFLOAT16) if bf16 else np.dtype(desc["typestr"])
+    return desc, dtype
 
 
 def _c_strides(shape, itemsize) -> tuple:

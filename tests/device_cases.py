@@ -12,6 +12,8 @@ from cases import compare, make_input, reference
 
 
 def to_device(x: np.ndarray, kind: str):
+    if kind == "cupy" and x.dtype.name == "bfloat16":
+        kind = "numba"                          # cupy has no bfloat16
     if kind == "numba":
         from numba import cuda
         return cuda.to_device(x)
@@ -19,16 +21,15 @@ def to_device(x: np.ndarray, kind: str):
         import cupy
         return cupy.asarray(x)
     if kind == "torch":
-        import torch
-        if x.dtype.name == "bfloat16":
-            return torch.from_numpy(x.view(np.int16).copy()).cuda().view(torch.bfloat16)
-        return torch.from_numpy(x.copy()).cuda()
+        import torch                            # through a signed view: numpy has no bfloat16 for torch
+        signed = torch.from_numpy(x.view(f"i{x.dtype.itemsize}").copy()).cuda()
+        return signed.view(getattr(torch, x.dtype.name))
     raise ValueError(kind)
 
 
 def to_host(d, kind: str, dtype) -> np.ndarray:
     """Copy back, after the caller's stream has finished the collective."""
-    if kind == "numba":
+    if getattr(d, "__cuda_ndarray__", False):  # numba (and the simulator): copies on the legacy default stream
         return d.copy_to_host()
     if kind == "cupy":
         import cupy
@@ -36,9 +37,8 @@ def to_host(d, kind: str, dtype) -> np.ndarray:
         return cupy.asnumpy(d)
     import torch
     torch.cuda.current_stream().synchronize()
-    if d.dtype == torch.bfloat16:
-        return d.view(torch.int16).cpu().numpy().view(dtype)
-    return d.cpu().numpy()
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[np.dtype(dtype).itemsize]
+    return d.view(bits).cpu().numpy().view(dtype)
 
 
 def empty(kind: str, n: int, dtype):

@@ -22,6 +22,9 @@ A connection is the shm transport's FIFO protocol with the slots moved to device
 touches a slot must run on it. ringcomm's device path sets it to a stream of its own (not the caller's);
 0, the legacy default stream, until set.
 
+RINGCOMM_CUDA_IPC_SYNC=1 adds a host-side stream synchronisation before every counter moves (a plain flag
+protocol, the events then being redundant): slower, but it tells a protocol fault from an event fault.
+
 Under numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1, for tests without a GPU) the slots stay in the
 /dev/shm segment, viewed as simulator device arrays, and the events are no-ops (the simulator runs every
 kernel synchronously): the protocol, connecting and closing are the same code.
@@ -36,6 +39,7 @@ from .base import LinkContext, PeerGone, RecvConnection, SendConnection
 from .shm import CLOSED, RECEIVER_PID, SIZES, ShmRecv, ShmSend, ShmTransport, _pid_alive, _Segment
 
 CLOSE_GRACE = 5.0       # seconds close() waits for the peer's GPU work before it frees or unmaps anyway
+HOST_SYNC = os.environ.get("RINGCOMM_CUDA_IPC_SYNC", "") not in ("", "0")
 
 
 def _simulated() -> bool:
@@ -80,6 +84,10 @@ class _Cuda:
     def wait(self, stream: int, event: int) -> None:
         self.rt.streamWaitEvent(stream, event, 0)
 
+    def sync(self, stream: int) -> None:
+        if HOST_SYNC:
+            self.rt.streamSynchronize(stream)
+
     def idle(self, stream: int, deadline: float) -> bool:
         """Poll until the stream has drained (True) or the deadline passes (False): never block for ever on
         a peer that died with our stream waiting for its event. A stream found stuck stays stuck."""
@@ -117,6 +125,9 @@ class _Simulated(_Cuda):
     def wait(self, stream, event):
         pass
 
+    def sync(self, stream):
+        pass
+
     def idle(self, stream, deadline):
         return True
 
@@ -141,6 +152,7 @@ class CudaIpcSend(ShmSend):
 
     def post(self, nbytes: int) -> None:
         self.cuda.record(self.filled[self.posted % self.nslots], self.stream)    # before the counter moves
+        self.cuda.sync(self.stream)
         super().post(nbytes)
 
     def close(self) -> None:
@@ -177,6 +189,7 @@ class CudaIpcRecv(ShmRecv):
 
     def release(self) -> None:
         self.cuda.record(self.freed[self.released % self.nslots], self.stream)   # before the counter moves
+        self.cuda.sync(self.stream)
         super().release()
 
     def close(self) -> None:

@@ -1,0 +1,137 @@
+"""Device benchmark: ringcomm's collectives on GPU buffers, ranks sharing GPU 0, against the ceiling of a
+cupy device-to-device copy of the same size.
+
+    python tests/gpu/bench_device.py [--ranks 2 4] [--sizes 1MiB 64MiB 1GiB] [--out bench.json]
+
+Sizes follow nccl-tests: the bytes of the larger buffer (all_gather's output, reduce_scatter's input), float32.
+A time is the slowest rank's mean over the timed iterations, host loop included, from a barrier to the
+caller's stream having finished; algbw = size / time, busbw = algbw x (2(n-1)/n for all_reduce, (n-1)/n for
+all_gather and reduce_scatter, 1 for broadcast). The copy moves ``size`` bytes once: its GB/s is the most any
+of them can reach on one GPU. Prints a table; exits 0 with a note where there is no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import gpu_common  # noqa: F401 - puts tests/ on sys.path
+from gpu_common import unavailable
+
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+       "reduce_scatter": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+
+
+def parse_size(text: str) -> int:
+    for unit, mult in UNITS.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * mult)
+    return int(text)
+
+
+def iterations(size: int) -> tuple[int, int]:
+    """(warm-up, timed) iterations: more for small sizes, where a call takes milliseconds."""
+    return (5, 20) if size <= 4 << 20 else (2, 5) if size <= 256 << 20 else (1, 3)
+
+
+def _call(comm, coll, x, out):
+    if coll == "all_reduce":
+        comm.all_reduce(x)
+    elif coll == "all_gather":
+        comm.all_gather(x, out)
+    elif coll == "reduce_scatter":
+        comm.reduce_scatter(x, out)
+    else:
+        comm.broadcast(x, 0)
+
+
+def rank_bench(comm, sizes) -> list:
+    """Runs on every rank; returns [(collective, size, seconds per call)]."""
+    import cupy
+    cupy.cuda.Device(0).use()
+    n, r = comm.world_size, comm.rank
+    stream = cupy.cuda.Stream(non_blocking=True)
+    results = []
+    with stream:
+        for size in sizes:
+            count = size // 4 // n * n
+            for coll in COLLECTIVES:
+                big = cupy.ones(count, cupy.float32)
+                part = big[r * (count // n):(r + 1) * (count // n)]     # in place, as nccl-tests can
+                x, out = {"all_gather": (part, big), "reduce_scatter": (big, part)}.get(coll, (big, None))
+                warm, timed = iterations(size)
+                for _ in range(warm):
+                    _call(comm, coll, x, out)
+                stream.synchronize()
+                comm.barrier()
+                t0 = time.perf_counter()
+                for _ in range(timed):
+                    _call(comm, coll, x, out)
+                stream.synchronize()
+                results.append((coll, size, (time.perf_counter() - t0) / timed))
+                del big, part, x, out
+                cupy.get_default_memory_pool().free_all_blocks()
+    return results
+
+
+def copy_ceiling(size: int) -> float:
+    """GB/s of one cudaMemcpyAsync device-to-device of ``size`` bytes on GPU 0."""
+    import cupy
+    rt = cupy.cuda.runtime
+    with cupy.cuda.Device(0):
+        a, b = cupy.ones(size // 4, cupy.float32), cupy.empty(size // 4, cupy.float32)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        warm, timed = iterations(size)
+        for i in range(warm + timed):
+            if i == warm:
+                start.record(stream)
+            rt.memcpyAsync(b.data.ptr, a.data.ptr, a.nbytes, rt.memcpyDeviceToDevice, stream.ptr)
+        stop.record(stream)
+        stop.synchronize()
+        seconds = cupy.cuda.get_elapsed_time(start, stop) / 1e3 / timed
+        del a, b
+        cupy.get_default_memory_pool().free_all_blocks()
+    return size / seconds / 1e9
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--sizes", nargs="+", default=["1MiB", "64MiB", "1GiB"])
+    ap.add_argument("--out", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    why = unavailable()
+    if why is not None:
+        print(f"device benchmark skipped: {why}")
+        if args.out:
+            json.dump({"skipped": why}, open(args.out, "w"), indent=1)
+        return 0
+    from harness import World
+    sizes = [parse_size(s) for s in args.sizes]
+    ceiling = {s: copy_ceiling(s) for s in sizes}
+    rows = []
+    print(f"{'ranks':>5} {'collective':<15}{'size':>10}{'time ms':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}"
+          f"{'copy GB/s':>11}", flush=True)
+    for n in args.ranks:
+        with World(n, {}, timeout=300) as w:
+            per_rank = w.run(rank_bench, sizes, timeout=600)
+        for i, (coll, size, _) in enumerate(per_rank[0]):
+            t = max(res[i][2] for res in per_rank)             # the slowest rank sets the pace
+            algbw = size / t / 1e9
+            row = dict(ranks=n, collective=coll, bytes=size, seconds=t, algbw_GBps=algbw,
+                       busbw_GBps=algbw * BUS[coll](n), copy_GBps=ceiling[size])
+            rows.append(row)
+            print(f"{n:>5} {coll:<15}{size:>10}{t * 1e3:>11.3f}{algbw:>12.1f}{row['busbw_GBps']:>12.1f}"
+                  f"{ceiling[size]:>11.1f}", flush=True)
+    if args.out:
+        json.dump({"rows": rows, "note": "ranks share GPU 0; copy = cupy device-to-device memcpy"},
+                  open(args.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
