@@ -66,6 +66,7 @@ class Executor:
         if call.m == 0:
             return
         srcs, dsts = sched.peers()
+        self.links.purpose = f", for {call.name} #{call.seq}"
         self.links.prepare(srcs, dsts)
         slot_elems = self.slot_bytes // call.inp.itemsize
         chunk_elems = slot_elems * max(1, self.nslots // 2)

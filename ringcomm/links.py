@@ -14,7 +14,7 @@ import socket
 import time
 from dataclasses import replace
 
-from ringcomm.transport.base import LinkContext, PeerGone, PeerTimeout
+from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout, wait_key
 
 from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreError,
                      StoreTimeout)
@@ -80,6 +80,7 @@ class Links:
         self.conns: dict = {}
         self.kinds: dict[int, str] = {}
         self.closed = False
+        self.purpose = ""  # ", for all_reduce #3": set by the executor, for connect errors
 
     def __call__(self, peer: int, direction: str):
         conn = self.conns.get((peer, direction))
@@ -119,7 +120,7 @@ class Links:
             return self.forced
         if peer not in self.kinds:
             key = f"{self.ctx.prefix}/host/{peer}"
-            theirs = self.ctx.store.get(key, timeout=self.timeout).decode()
+            theirs = wait_key(self.ctx, key, time.monotonic() + self.timeout, peer, "the store").decode()
             self.kinds[peer] = "shm" if theirs == self.me else self._network(peer)
         return self.kinds[peer]
 
@@ -140,13 +141,16 @@ class Links:
             return t.connect_send(peer, deadline) if direction == "send" else t.connect_recv(peer, deadline)
         except (PeerTimeout, StoreTimeout) as e:
             raise CollectiveTimeout(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                                    f"({direction}) over {name} within {self.timeout:g} s: {e}") from None
+                                    f"({direction}{self.purpose}) over {name} within {self.timeout:g} s: {e}") from None
+        except Aborted as e:
+            raise RingcommError(f"rank {self.ctx.rank} (this process) was aborted while connecting to rank "
+                                f"{peer} ({direction}{self.purpose}) over {name}: {e}") from None
         except (PeerGone, StoreError) as e:
             raise PeerFailure(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                              f"({direction}) over {name}: {e}") from None
+                              f"({direction}{self.purpose}) over {name}: {e}") from None
         except (OSError, ImportError, LookupError) as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                                f"({direction}) over {name}: {e}") from e
+                                f"({direction}{self.purpose}) over {name}: {e}") from e
 
     def close(self) -> None:
         self.closed = True

@@ -198,3 +198,30 @@ def _store_has_clients(port, n):
             return True
     except ringcomm.RingcommError:
         return False
+
+
+def _abort_from_a_thread(comm):
+    import threading
+    timer = threading.Timer(0.3, comm.abort)  # the moment another thread gives up
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(np.ones(1000, np.float32))  # rank 1 never joins: this would wait TIMEOUT
+    except ringcomm.RingcommError as e:
+        first = (time.monotonic() - t0, str(e))
+    else:
+        first = (time.monotonic() - t0, "no error")
+    try:
+        comm.barrier()
+    except ringcomm.CommunicatorClosed as e:
+        return first, str(e)
+    return first, "no error"
+
+
+@pytest.mark.timeout(60)
+def test_abort_wakes_the_wait_and_closes_the_communicator():
+    with World(2, {"RINGCOMM_TIMEOUT": "30"}, timeout=30) as world:
+        ((elapsed, first), second), = world.run(_abort_from_a_thread, ranks=[0], timeout=20)
+    assert elapsed < 5, f"abort took {elapsed:.1f} s to wake the wait"
+    assert "rank 0 (this process) was aborted" in first, first
+    assert "comm.abort() was called" in second, second

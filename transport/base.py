@@ -76,6 +76,24 @@ class LinkContext:
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
 
 
+def wait_key(ctx: LinkContext, key: str, deadline: float, peer: int, transport: str) -> bytes:
+    """A store key the peer publishes, waited for in short pieces so that an abort or the
+    watchdog is heard while connecting too (the store's own wait hears neither)."""
+    while True:
+        if ctx.abort is not None and ctx.abort.is_set():
+            raise Aborted(f"aborted while waiting for rank {peer} to publish {key!r}", peer=peer,
+                          transport=transport)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerTimeout(f"waiting for rank {peer} to publish {key!r} in the store", peer=peer,
+                              transport=transport)
+        try:
+            return ctx.store.get(key, timeout=min(left, PATROL_PERIOD))
+        except TimeoutError:  # the store's StoreTimeout is one
+            if ctx.watchdog is not None:
+                ctx.watchdog()
+
+
 class SendConnection:
     transport = "?"
     peer: int

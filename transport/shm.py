@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from .base import (PATROL_PERIOD, Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
-                   SendConnection, Transport)
+                   SendConnection, Transport, wait_key)
 
 MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
 HDR = 4096
@@ -250,8 +250,7 @@ class ShmTransport(Transport):
         return conn
 
     def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
-        timeout = max(0.0, deadline - time.monotonic())
-        name = self.ctx.store.get(self._key(peer, self.ctx.rank), timeout=timeout).decode()
+        name = wait_key(self.ctx, self._key(peer, self.ctx.rank), deadline, peer, "shm").decode()
         try:
             seg = _Segment(name, self.ctx.nslots, self.ctx.slot_bytes, create=False)
         except FileNotFoundError:

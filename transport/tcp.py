@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from .base import (PATROL_PERIOD, Aborted, LinkContext, PeerGone, PeerTimeout, RecvConnection,
-                   SendConnection, Transport)
+                   SendConnection, Transport, wait_key)
 
 log = logging.getLogger("ringcomm.transport.tcp")
 
@@ -400,12 +400,7 @@ class TcpTransport(Transport):
 
     def _lookup(self, peer: int, deadline: float) -> tuple[str, int]:
         key = f"{self.ctx.prefix}/tcp/{peer}"
-        try:
-            value = self.ctx.store.get(key, timeout=max(deadline - time.monotonic(), 0.0))
-        except TimeoutError as e:  # the store's StoreTimeout is a TimeoutError
-            raise PeerTimeout(f"rank {self.ctx.rank} (this process) timed out waiting for rank {peer} "
-                              f"to publish its tcp address (store key {key!r})",
-                              peer=peer, transport="tcp") from e
+        value = wait_key(self.ctx, key, deadline, peer, "tcp")  # its listener's address
         host, _, port = bytes(value).decode().rpartition(":")
         return host, int(port)
 
