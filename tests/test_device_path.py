@@ -7,11 +7,17 @@ IPC handles and events, streams -- the GPU tests do (tests/gpu).
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 from cases import sample_cases
 from device_cases import p2p_and_world_checks, run_device_cases
 from harness import World
+
+if importlib.util.find_spec("numba_cuda") is None:      # numba >= 0.61 keeps its CUDA target (and simulator) there
+    pytest.skip("numba-cuda is not installed: pip install 'numba-cuda[cu12]' (the test extra has it)",
+                allow_module_level=True)
 
 # 256-byte device slots, 4 per FIFO: a few hundred elements cross many slices and rounds.
 SIM = {"NUMBA_ENABLE_CUDASIM": "1", "RINGCOMM_CUDA_BUFFSIZE": "1024", "RINGCOMM_NSLOTS": "4"}
