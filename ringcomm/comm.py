@@ -231,9 +231,8 @@ class Communicator:
         forced = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
         if forced:
             return forced if forced in choices else next(iter(choices))
-        if "tree" in choices and self.world_size > 2 and nbytes <= TREE_MAX_BYTES:
-            return "tree"
-        return "ring"
+        from . import model  # the alpha-beta-gamma model picks; RINGCOMM_DEBUG=info says why
+        return model.choose(collective, self.world_size, nbytes)
 
     def _out(self, out, x, size, name) -> np.ndarray:
         y = host_array(out, f"{name} out", writable=True)

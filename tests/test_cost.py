@@ -102,3 +102,44 @@ def test_breakdown_and_errors():
         ringcomm.cost("all_reduce", "nope", 4, N, ALPHA, BETA, GAMMA)
     with pytest.raises(ValueError, match="model"):
         ringcomm.cost("all_reduce", "ring", 4, N, ALPHA, BETA, GAMMA, model="fast")
+
+
+def test_fit_recovers_known_parameters_and_reads_bench_json(tmp_path):
+    truth = (F(25, 10**6), F(3, 10**10), F(5, 10**10))
+    keys = [("all_reduce", "ring"), ("all_reduce", "tree"), ("all_gather", "ring"), ("reduce_scatter", "ring")]
+    rows = [(c, a, p, nb, float(ringcomm.cost(c, a, p, nb, *truth)))
+            for c, a in keys for p in (2, 4, 5) for nb in (1024, 65536, 1 << 20, 1 << 23)]
+    got = ringcomm.fit(rows)
+    for want, have in zip(truth, (got.alpha, got.beta, got.gamma)):
+        assert math.isclose(have, float(want), rel_tol=1e-6)
+    assert got.rms_relative_error < 1e-9 and got.rows == len(rows)
+    doc = {"config": {"collective": "all_reduce", "ranks": 4}, "ringcomm": {"rows": {
+        "ring": [{"size": nb, "oop": {"seconds": float(ringcomm.cost("all_reduce", "ring", 4, nb, *truth))}}
+                 for nb in (0, 1024, 1 << 16, 1 << 20)],
+        "tree": [{"size": nb, "oop": {"seconds": float(ringcomm.cost("all_reduce", "tree", 4, nb, *truth))}}
+                 for nb in (1024, 1 << 16, 1 << 20)],
+        "auto": [{"size": 8, "oop": {"seconds": 1.0}}]}}}
+    path = tmp_path / "bench.json"
+    path.write_text(__import__("json").dumps(doc))
+    from ringcomm.model import load_bench
+    assert len(load_bench(path)) == 6  # size 0 and automatic rows are left out
+    one = ringcomm.fit(str(path))  # all_reduce alone cannot tell beta from gamma: only the times
+    assert one.rms_relative_error < 1e-9 and math.isclose(one.alpha, float(truth[0]), rel_tol=1e-6)
+    with pytest.raises(ValueError, match="at least 3"):
+        ringcomm.fit(rows[:2])
+
+
+def test_automatic_choice_uses_the_model_and_says_why(monkeypatch, capsys):
+    from ringcomm import model
+    monkeypatch.setattr(model, "_logged", set())
+    monkeypatch.setenv("RINGCOMM_DEBUG", "info")
+    assert model.choose("all_reduce", 8, 1000) == "tree"        # latency: 2 log-depth trees
+    assert model.choose("all_reduce", 8, 1000) == "tree"
+    assert model.choose("all_reduce", 8, 4 << 20) == "ring"     # bandwidth
+    err = capsys.readouterr().err
+    assert err.count("ringcomm INFO: all_reduce on 8 ranks, 513..1024 B: chose tree") == 1
+    assert "chose ring" in err and "ring " in err and " us" in err
+    assert model.choose("all_reduce", 100, 1000) == "tree"      # beyond the model's reach: the old rule
+    with ringcomm.init(0, 1) as comm:                           # a collective call goes through it
+        comm.all_reduce(__import__("numpy").ones(300, "float32"))
+    assert "all_reduce on 1 ranks, 1025..2048 B: chose ring" in capsys.readouterr().err
