@@ -44,10 +44,10 @@ def register_algorithm(name: str, collective: str, builder, *, sizes=SIZES, repl
     if not callable(builder):
         raise TypeError(f"builder must be callable as builder(rank, n{', root' if collective in ROOTED else ''})"
                         f", got {type(builder).__name__}")
-    if name in _comm.ALGOS[collective] and not replace:
-        raise ValueError(f"{collective} already has an algorithm {name!r}; pass replace=True to replace it")
     if (collective, name) not in USER and name in _comm.ALGOS[collective]:
         raise ValueError(f"{name!r} is a built-in {collective} algorithm and cannot be replaced")
+    if name in _comm.ALGOS[collective] and not replace:
+        raise ValueError(f"{collective} already has an algorithm {name!r}; pass replace=True to replace it")
     sizes = tuple(sizes)
     if any(not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"sizes must be world sizes >= 1, got {sizes}")

@@ -178,3 +178,28 @@ def test_example_runs_under_ringcomm_run():
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert out.stdout.count("bidir_ring all_reduce of 100003 int64 OK") == 3
     assert "postcondition: holds" in out.stdout
+
+
+def test_lang_stage_groups_sends_into_one_message():
+    """all_gather on 3 ranks where rank 1 relays rank 0's block to rank 2: rank 1 sends rank 2 its
+    own block at depth 0 and the relayed one at depth 1, two messages; stage=1 on its own block's
+    send makes them one (the cost model's message = same sender, receiver and stage)."""
+    from ringcomm.schedule.cost import messages
+
+    def prog(stage):
+        p = Program("all_gather", 3, nchunks=3)
+        p.chunk(0, 0).output().copy(1).copy(2)
+        own = p.chunk(1, 1).output()
+        own.copy(2, stage=stage)
+        own.copy(0)
+        v = p.chunk(2, 2).output()
+        v.copy(0)
+        v.copy(1)
+        return p.compile()
+    plain, staged = prog(None), prog(1)
+    for s in (plain, staged):
+        check("all_gather", s)
+    assert not plain[1].stages and staged[1].stages
+    assert sorted(k for k in messages(plain, 300).size if k[:2] == (1, 2)) == [(1, 2, 0), (1, 2, 1)]
+    grouped = messages(staged, 300).size
+    assert [k for k in grouped if k[:2] == (1, 2)] == [(1, 2, 1)] and grouped[1, 2, 1] == 200

@@ -59,6 +59,11 @@ def messages(scheds: list[Schedule], nbytes) -> Messages:
     _validate(scheds)
     _check_pairing(scheds)
     chunk = nbytes / scheds[0].nchunks
+    for s in scheds:
+        if s.stages and (len(s.stages) != len(s.steps) or any(
+                isinstance(st, tuple) and len(st) != len(step.dst) for st, step in zip(s.stages, s.steps))):
+            raise ValueError(f"rank {s.rank}: Schedule.stages needs one entry per step (an int, or one "
+                             f"int per dst), got {s.stages} for {len(s.steps)} steps")
     depth = _depths(scheds)
     m = Messages(defaultdict(lambda: 0), defaultdict(list), defaultdict(lambda: 0), {})
     fifo = defaultdict(list)  # (a, b) -> stages of a's sends to b, in order

@@ -163,7 +163,7 @@ class Program:
             steps = tuple(t[2] for t in items)
             stages = ()
             if explicit:
-                stages = tuple(tuple(d if st is None else st for _, st in t[3].sends) if t[3].sends
+                stages = tuple(tuple(t[0] if st is None else st for _, st in t[3].sends) if t[3].sends
                                else t[0] for t in items)
             scheds.append(Schedule(self.collective, self.name, r, self.n, self.nchunks, ins, outs,
                                    steps, stages))
