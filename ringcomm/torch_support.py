@@ -1,0 +1,221 @@
+"""The pieces under ringcomm.torch: tensor views, ops, the store adapter, Work and the worker thread.
+
+Only ringcomm.torch imports this module (it needs torch, an optional extra).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import ringcomm
+from .errors import CollectiveTimeout, CommunicatorClosed, RingcommError, StoreError, StoreTimeout
+from .store import Store
+
+# torch dtypes ringcomm's kernels reduce, and their numpy twins. Data movement
+# (broadcast, all_gather, send/recv) takes any dtype: it moves bytes.
+REDUCIBLE = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torch.float32: np.float32,
+             torch.float64: np.float64, torch.int8: np.int8, torch.uint8: np.uint8, torch.int32: np.int32,
+             torch.uint32: np.uint32, torch.int64: np.int64, torch.uint64: np.uint64}
+
+_RED = dist.ReduceOp.RedOpType
+OPS = {_RED.SUM: ringcomm.SUM, _RED.PRODUCT: ringcomm.PROD, _RED.MIN: ringcomm.MIN,
+       _RED.MAX: ringcomm.MAX, _RED.AVG: ringcomm.AVG}
+_POLL_S = 0.5  # Work.wait wakes at once when its call ends; between, it checks the worker is alive
+
+
+def ring_op(op, collective: str):
+    """torch's ReduceOp (or its RedOpType) as ringcomm's op; NotImplementedError for the others."""
+    kind = getattr(op, "op", op)
+    if kind not in OPS:
+        name = getattr(kind, "name", str(kind))
+        raise NotImplementedError(f"{collective}: the ringcomm backend does not support ReduceOp.{name}; "
+                                  f"it has SUM, PRODUCT, MIN, MAX and AVG")
+    return OPS[kind]
+
+
+def check_tensor(t, what: str) -> None:
+    """A dense CPU tensor, or the error that says why the backend cannot take it."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        # ringcomm's GPU path exists, but this backend does not yet carry the caller's CUDA
+        # device and current stream over to its worker thread, which that path's stream rule needs.
+        raise NotImplementedError(f"{what} is on {t.device}: the ringcomm torch backend takes CPU tensors only "
+                                  f"for now; move the tensor to the CPU, or give CUDA tensors a group of "
+                                  f"their own (dist.new_group(backend='nccl'))")
+    if t.layout != torch.strided:
+        raise NotImplementedError(f"{what} has layout {t.layout}; the ringcomm backend takes dense tensors")
+
+
+def host_view(t, what: str, *, reduce: bool = False) -> np.ndarray:
+    """A flat numpy view of a CPU tensor's own memory (no copy).
+
+    ``reduce``: typed, for the collectives that do arithmetic (bfloat16 through ml_dtypes,
+    which shares torch's bit layout); otherwise the raw bytes, so any dtype can move.
+    """
+    check_tensor(t, what)
+    if not t.is_contiguous():
+        raise ValueError(f"{what} is not contiguous (strides {tuple(t.stride())}); pass tensor.contiguous()")
+    flat = t.detach().reshape(-1)  # a view: the tensor is contiguous
+    if not reduce:
+        return flat.view(torch.uint8).numpy()
+    if t.dtype not in REDUCIBLE:
+        names = ", ".join(str(d).removeprefix("torch.") for d in REDUCIBLE)
+        raise NotImplementedError(f"{what} has dtype {t.dtype}, which the ringcomm backend does not "
+                                  f"reduce; supported: {names}")
+    if t.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return flat.numpy()
+
+
+def same_kind(a, b, what: str) -> None:
+    if a.dtype != b.dtype:
+        raise TypeError(f"{what}: dtypes differ ({a.dtype} and {b.dtype}); the ringcomm backend does not convert")
+
+
+class TorchStore(Store):
+    """ringcomm's Store interface over torch's c10d Store (the one init_process_group hands a backend)."""
+
+    def __init__(self, store, timeout: float = 300.0):
+        self._store, self.timeout = store, float(timeout)
+
+    def _set(self, key, value):
+        self._call("set", [key], self._store.set, key, value)
+
+    def _get(self, key, timeout):
+        self._wait([key], timeout)
+        return bytes(self._call("get", [key], self._store.get, key))
+
+    def _wait(self, keys, timeout):
+        # c10d reads a zero timeout as "wait forever": never pass one.
+        self._call("wait", keys, self._store.wait, keys, timedelta(seconds=max(timeout, 1e-3)))
+
+    def _add(self, key, amount):
+        return int(self._call("add", [key], self._store.add, key, amount))
+
+    def _delete(self, key):
+        return bool(self._call("delete", [key], self._store.delete_key, key))
+
+    def _call(self, op, keys, fn, *args):
+        try:
+            return fn(*args)
+        except dist.DistStoreError as e:
+            if "timeout" in str(e).lower():
+                raise StoreTimeout(f"torch store {op} timed out waiting for {keys!r}: {e}") from None
+            raise StoreError(f"torch store {op} of {keys!r} failed: {e}") from e
+        except RuntimeError as e:
+            raise StoreError(f"torch store {op} of {keys!r} failed: {e}") from e
+
+
+class Work(dist.Work):
+    """One queued call. wait() returns once the worker ran it (or raises its error);
+    get_future() completes at the same moment, holding the call's output tensors."""
+
+    def __init__(self, worker: Worker, name: str, seq: int, outputs: list):
+        super().__init__()
+        self._worker, self._name, self._seq = worker, name, seq
+        self._outputs = outputs
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._future = torch.futures.Future()
+
+    def finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._done.set()
+        # Runs the future's callbacks (DDP copies the reduced bucket back into the grads).
+        if error is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(error)
+
+    def wait(self, timeout=timedelta(0)) -> bool:
+        """Block until the call ends. A positive timeout bounds the wait; without one the call's
+        own waits (each with ringcomm's timeout) bound it, and a dead worker is reported."""
+        limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        deadline = time.monotonic() + limit if limit > 0 else None
+        while not self._done.wait(_POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))):
+            if not self._worker.alive():
+                raise RingcommError(f"rank {self._worker.rank} (this process): {self._what()} can never "
+                                    f"finish: the process group's worker thread has stopped")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CollectiveTimeout(f"rank {self._worker.rank} (this process) timed out after {limit:g} s "
+                                        f"in Work.wait() for {self._what()}")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _what(self) -> str:
+        return f"{self._name} #{self._seq} of the ringcomm torch backend"
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> list:
+        self.wait()
+        return self._outputs
+
+    def get_future(self):
+        return self._future
+
+    def synchronize(self) -> None:
+        pass  # CPU tensors: nothing to order against a stream
+
+
+class Worker:
+    """One thread that runs a process group's calls one at a time, in the order they were made:
+    a Communicator is not thread-safe, and every rank must meet its peers in the same order."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=f"ringcomm-torch-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, work: Work, fn) -> Work:
+        if self._stopped:
+            raise CommunicatorClosed(f"rank {self.rank}: the ringcomm process group is shut down")
+        self._queue.put((work, fn))
+        return work
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()  # idle until the next call: no peer is waited on here
+            if item is None:
+                return
+            work, fn = item
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the error belongs to the caller, via wait()
+                error = e
+            else:
+                error = None
+            try:
+                work.finish(error)
+            except Exception:  # noqa: BLE001 - a failing future callback must not stop later calls
+                traceback.print_exc()
+
+    def stop(self, timeout: float) -> bool:
+        """Let queued calls finish (each bounded by ringcomm's timeout), then end; True if it ended."""
+        if not self._stopped:
+            self._stopped = True
+            self._queue.put(None)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
