@@ -11,7 +11,7 @@ import numpy as np
 import ringcomm
 
 comm = ringcomm.init()
-x = np.ones(16 << 20, dtype=np.float32)  # 64 MiB
+x = np.ones(int(os.environ.get("COUNT", 16 << 20)), dtype=np.float32)  # 64 MiB unless COUNT says
 comm.all_reduce(x)
 with open(os.path.join(os.environ["PID_DIR"], f"rank{comm.rank}"), "w") as f:
     f.write(str(os.getpid()))
