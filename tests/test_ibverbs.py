@@ -166,12 +166,17 @@ def test_sender_runs_ahead_then_waits_for_credit(links):
         send(s01, pattern(0, i, SLOT), soon())
     with pytest.raises(PeerTimeout, match=r"rank 0 \(this process\) timed out waiting for a free slot "
                                           r"to send to rank 1 over ibverbs") as e:
-        s01.acquire(soon(0.3))
+        s01.acquire(soon(1.2))  # long enough for liveness probes, which a live peer acknowledges
     assert (e.value.peer, e.value.transport) == (1, "ibverbs")
     np.testing.assert_array_equal(recv(r01, soon()), pattern(0, 0, SLOT))  # one credit back
     send(s01, pattern(0, 4, SLOT), soon())
     for i in range(1, 5):
         np.testing.assert_array_equal(recv(r01, soon()), pattern(0, i, SLOT))
+    with pytest.raises(PeerTimeout):
+        r01.wait(soon(1.2))  # the receiver probes too
+    assert s01.error is None and r01.error is None
+    send(s01, pattern(0, 5, 10), soon())
+    np.testing.assert_array_equal(recv(r01, soon()), pattern(0, 5, 10))
 
 
 @rdma
