@@ -49,6 +49,9 @@ class Communicator:
         self._closed = False
         self._lock = threading.Lock()  # guards _in_flight against abort() from another thread
         self._in_flight = False
+        # Knobs read once: a collective must not pay for os.environ lookups.
+        self._forced_algo = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
+        self._check = check.enabled()
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
 
     # ---- collectives -------------------------------------------------------------------------
@@ -176,7 +179,7 @@ class Communicator:
 
     def _fingerprint(self, collective, algo, x, m, op, root, seq):
         self._ordinal += 1
-        if not check.enabled() or self.world_size == 1:
+        if not self._check or self.world_size == 1:
             return
         mine = check.fingerprint(collective, x.dtype, op, algo, root, m, self._ordinal)
         every = np.empty(mine.size * self.world_size, np.uint8)
@@ -228,7 +231,7 @@ class Communicator:
             if algo not in choices:
                 raise ValueError(f"{collective} has no algorithm {algo!r}; choose one of {sorted(choices)}")
             return algo
-        forced = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
+        forced = self._forced_algo
         if forced:
             return forced if forced in choices else next(iter(choices))
         from . import model  # the alpha-beta-gamma model picks; RINGCOMM_DEBUG=info says why

@@ -13,7 +13,7 @@ to the GPU current at that moment. The path owns:
   stream, at the end the caller's stream waits for one recorded on ours. The host never waits for the GPU;
   a collective's result is ready on the caller's stream when the call returns.
 
-The executor hands each slice to ``DeviceSteps`` (``call.dev``), which does what executor._compute does on
+The executor hands each slice to ``DeviceSteps`` (``call.dev``), which does what executor._slice does on
 the host, with ringcomm.kernels.device.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def cuda_slot_bytes(nslots: int) -> int:
 
 
 class DeviceSteps:
-    """One slice of a step on the GPU (executor._compute, then its copies): the value is computed where it
+    """One slice of a step on the GPU (what executor._slice does on the host): the value is computed where it
     is needed first -- the output, or the outgoing slot -- and copied (cudaMemcpyAsync) where else it goes."""
 
     def __init__(self, kernels, stream):

@@ -61,69 +61,120 @@ class Executor:
         self.watchdog = None  # ringcomm.watchdog.Watchdog, told of every failure
         # Where this rank is, for the watchdog's table: plain attributes, cheap to keep current.
         self._call, self._step, self._nsteps, self._waiting = None, 0, 0, None
+        self._plans: dict = {}  # (id(schedule), item size, count) -> (schedule, slice plan), see _plan
 
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:
             return
-        srcs, dsts = sched.peers()
         self.links.purpose = f", for {call.name} #{call.seq}"
+        # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
+        # alive and is checked, so a recycled id can never return another schedule's plan.
+        owner, plan = self._plans.get((id(sched), call.inp.itemsize, call.m), (None, None))
+        if owner is not sched:
+            plan = self._plan(sched, call)
+        self._call, self._nsteps = call, len(sched.steps)
+        inp, out = call.inp, call.out
+        if call.dev is not None:
+            for entry in plan:
+                self._device_slice(entry, call)
+            return
+        fn = kernels.elementwise(call.op, inp.dtype)
+        in_place = inp is out  # the same array object: copying a chunk onto itself can be skipped
+        if inp.dtype.kind != "f":
+            for entry in plan:
+                self._slice(entry, call, inp, out, fn, in_place)
+            return
+        with np.errstate(all="ignore"):  # once per call: NCCL does not trap on overflow either
+            for entry in plan:
+                self._slice(entry, call, inp, out, fn, in_place)
+
+    def _plan(self, sched: Schedule, call: Call) -> list:
+        """Every slice of the call, in order: where it reads and writes and which connections it
+        uses. Built once per (schedule, item size, count), so a repeated call is one tight loop."""
+        srcs, dsts = sched.peers()
         self.links.prepare(srcs, dsts)
         slot_elems = self.slot_bytes // call.inp.itemsize
         chunk_elems = slot_elems * max(1, self.nslots // 2)
         round_elems = chunk_elems * (sched.nchunks if sched.in_layout == SPLIT else 1)
-        nslice = 0
-        self._call, self._nsteps = call, len(sched.steps)
+        plan = []
         for a in range(0, call.m, round_elems):
             b = min(a + round_elems, call.m)
-            for self._step, step in enumerate(sched.steps):
+            for i, step in enumerate(sched.steps):
                 io, n = chunk_span(sched.in_layout, sched.nchunks, step.chunk, a, b, call.m)
                 oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, a, b, call.m)
+                recvs = tuple((p, self.links(p, "recv")) for p in step.src)
+                sends = tuple((p, self.links(p, "send")) for p in step.dst)
                 for s in range(0, n, slot_elems):
                     k = min(slot_elems, n - s)
-                    self._slice(step, call, io + s, oo + s, k, nslice)
-                    nslice += 1
+                    plan.append((i, step, io + s, oo + s, k, k * call.inp.itemsize, recvs, sends, len(plan)))
+        if len(self._plans) >= 64:
+            self._plans.pop(next(iter(self._plans)))
+        self._plans[(id(sched), call.inp.itemsize, call.m)] = (sched, plan)
+        return plan
 
-    def _slice(self, step, call: Call, io: int, oo: int, k: int, nslice: int) -> None:
-        srcs = [self._wait(p, call, k, nslice) for p in step.src]
-        dsts = [self._acquire(p, call, k, nslice) for p in step.dst]
-        x_in = call.inp[io:io + k]
-        x_out = call.out[oo:oo + k]
-        if call.dev is None:
-            value = _compute(step, call, x_in, x_out, srcs, dsts, self.world_size)
-            if step.copies and not _same(value, x_out):
-                x_out[...] = value
-            for d in dsts:
-                if not _same(value, d):
-                    d[...] = value
+    def _slice(self, entry, call: Call, inp, out, fn, in_place) -> None:
+        self._step, step, io, oo, k, nbytes, recvs, sends, nslice = entry
+        dtype = inp.dtype
+        srcs = [self._wait(p, c, call, nbytes, nslice).view(dtype) for p, c in recvs]
+        dsts = [self._acquire(p, c, call, nslice)[:nbytes].view(dtype) for p, c in sends]
+        x_in = inp[io:io + k]
+        if not step.recvs:
+            value = x_in
+        elif not step.reduces:
+            value = srcs[0]
         else:
-            call.dev.apply(step, call, x_in, x_out, srcs, dsts, self.world_size)
-        for p in step.src:
-            self.links(p, "recv").release()
-        for p in step.dst:
-            self.links(p, "send").post(k * call.inp.itemsize)
+            # Reduce into the first place the value must land: the output, else the first
+            # outgoing slot (the fused recv-reduce-send), so nothing is copied twice.
+            value = out[oo:oo + k] if step.copies else dsts[0]
+            fn(x_in, srcs[0], out=value)
+            for extra in srcs[1:]:
+                fn(value, extra, out=value)
+            if step.final:
+                kernels.postprocess(value, call.op, self.world_size)
+        if step.copies and not (step.reduces or (value is x_in and in_place and io == oo)):
+            out[oo:oo + k] = value
+        for d in dsts:
+            if d is not value:
+                d[...] = value
+        for _, c in recvs:
+            c.release()
+        for _, c in sends:
+            c.post(nbytes)
 
-    def _wait(self, peer, call, k, nslice) -> np.ndarray:
+    def _device_slice(self, entry, call: Call) -> None:
+        self._step, step, io, oo, k, nbytes, recvs, sends, nslice = entry
+        srcs = [self._wait(p, c, call, nbytes, nslice) for p, c in recvs]
+        dsts = [self._acquire(p, c, call, nslice)[:nbytes] for p, c in sends]
+        dtype = call.inp.dtype
+        srcs = [x.view(dtype) for x in srcs]
+        dsts = [x.view(dtype) for x in dsts]
+        call.dev.apply(step, call, call.inp[io:io + k], call.out[oo:oo + k], srcs, dsts, self.world_size)
+        for _, c in recvs:
+            c.release()
+        for _, c in sends:
+            c.post(nbytes)
+
+    def _wait(self, peer, conn, call, nbytes, nslice) -> np.ndarray:
         t0 = time.monotonic()
         self._waiting = (peer, "recv", nslice, t0)
         try:
-            data = self.links(peer, "recv").wait(t0 + self.timeout)
+            data = conn.wait(t0 + self.timeout)
         except (PeerTimeout, PeerGone, Aborted) as e:
             raise self._explain(e, f"waiting for slice {nslice} of {call.name} #{call.seq} from") from None
-        if data.size != k * call.inp.itemsize:
+        if data.size != nbytes:
             raise RingcommError(
-                f"rank {self.rank} (this process) expected {k * call.inp.itemsize} bytes for slice "
-                f"{nslice} of {call.name} #{call.seq} from rank {peer} but got {data.size}: the ranks "
-                f"called different collectives or passed different sizes")
-        return data.view(call.inp.dtype)
+                f"rank {self.rank} (this process) expected {nbytes} bytes for slice {nslice} of "
+                f"{call.name} #{call.seq} from rank {peer} but got {data.size}: the ranks called "
+                f"different collectives or passed different sizes")
+        return data
 
-    def _acquire(self, peer, call, k, nslice) -> np.ndarray:
+    def _acquire(self, peer, conn, call, nslice) -> np.ndarray:
         t0 = time.monotonic()
         self._waiting = (peer, "send", nslice, t0)
         try:
-            slot = self.links(peer, "send").acquire(t0 + self.timeout)
+            return conn.acquire(t0 + self.timeout)
         except (PeerTimeout, PeerGone, Aborted) as e:
             raise self._explain(e, f"waiting to send slice {nslice} of {call.name} #{call.seq} to") from None
-        return slot[: k * call.inp.itemsize].view(call.inp.dtype)
 
     def _explain(self, e, doing: str) -> RingcommError:
         me = f"rank {self.rank} (this process)"
@@ -149,24 +200,3 @@ class Executor:
             peer, direction, nslice, t0 = self._waiting
             where.update(peer=peer, direction=direction, slice=nslice, **{"for": time.monotonic() - t0})
         return where
-
-
-def _same(x: np.ndarray, y: np.ndarray) -> bool:
-    return x.__array_interface__["data"][0] == y.__array_interface__["data"][0]
-
-
-def _compute(step, call: Call, x_in, x_out, srcs, dsts, world_size) -> np.ndarray:
-    """The step's value for one slice, written where it is needed first."""
-    if not step.recvs:
-        return x_in
-    if not step.reduces:
-        return srcs[0]
-    # Reduce into the first place the value must land: the output, else the
-    # first outgoing slot (the fused recv-reduce-send), so nothing is copied twice.
-    target = x_out if step.copies else dsts[0]
-    kernels.reduce_copy(target, x_in, srcs[0], call.op)
-    for extra in srcs[1:]:
-        kernels.reduce(target, extra, call.op)
-    if step.final:
-        kernels.postprocess(target, call.op, world_size)
-    return target

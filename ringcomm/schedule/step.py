@@ -60,27 +60,12 @@ class Step:
         if len(self.src) > 1 and not KINDS[self.kind][1]:
             raise ValueError(f"{self.kind} receives from {len(self.src)} peers but does not reduce: "
                              f"which value would it keep?")
-
-    @property
-    def recvs(self) -> bool:
-        return KINDS[self.kind][0]
-
-    @property
-    def reduces(self) -> bool:
-        return KINDS[self.kind][1]
-
-    @property
-    def copies(self) -> bool:
-        return KINDS[self.kind][2]
-
-    @property
-    def sends(self) -> bool:
-        return KINDS[self.kind][3]
-
-    @property
-    def final(self) -> bool:
-        """This step yields the chunk's finished reduction (apply AVG's division here)."""
-        return self.reduces and self.copies
+        # The flags as plain attributes (the executor reads them for every slice). ``final``: the
+        # step yields the chunk's finished reduction, where AVG's division is applied.
+        recvs, reduces, copies, sends = KINDS[self.kind]
+        for name, value in (("recvs", recvs), ("reduces", reduces), ("copies", copies),
+                            ("sends", sends), ("final", reduces and copies)):
+            object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
         s = f"{self.kind}({self.chunk}"
