@@ -52,6 +52,7 @@ class Communicator:
         # Knobs read once: a collective must not pay for os.environ lookups.
         self._forced_algo = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
         self._check = check.enabled()
+        self._auto: dict = {}  # (collective, size band) -> the algorithm automatic choice picked
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
 
     # ---- collectives -------------------------------------------------------------------------
@@ -175,7 +176,7 @@ class Communicator:
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
         seq = self._next_seq()
         self._fingerprint(collective, algo, x, m, op, root, seq)
-        self._execute(sched, Call(collective, seq, x, y, m, str(op)))
+        self._execute(sched, Call(collective, seq, x, y, m, op))  # a ReduceOp is its name (a str)
 
     def _fingerprint(self, collective, algo, x, m, op, root, seq):
         self._ordinal += 1
@@ -234,8 +235,12 @@ class Communicator:
         forced = self._forced_algo
         if forced:
             return forced if forced in choices else next(iter(choices))
-        from . import model  # the alpha-beta-gamma model picks; RINGCOMM_DEBUG=info says why
-        return model.choose(collective, self.world_size, nbytes)
+        key = (collective, max(0, nbytes - 1).bit_length())  # the model's power-of-two size band
+        algo = self._auto.get(key)
+        if algo is None:
+            from . import model  # the alpha-beta-gamma model picks; RINGCOMM_DEBUG=info says why
+            algo = self._auto[key] = model.choose(collective, self.world_size, nbytes)
+        return algo
 
     def _out(self, out, x, size, name) -> np.ndarray:
         y = host_array(out, f"{name} out", writable=True)

@@ -26,7 +26,7 @@ from .errors import CollectiveTimeout, PeerFailure, RingcommError
 from .schedule.step import BLOCK, OWN, SPLIT, Schedule
 
 
-@dataclass
+@dataclass(slots=True)
 class Call:
     """One collective call as the executor sees it."""
 
@@ -66,7 +66,7 @@ class Executor:
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:
             return
-        self.links.purpose = f", for {call.name} #{call.seq}"
+        self.links.call = call  # named in connect errors
         # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
         # alive and is checked, so a recycled id can never return another schedule's plan.
         owner, plan = self._plans.get((id(sched), call.inp.itemsize, call.m), (None, None))

@@ -80,7 +80,7 @@ class Links:
         self.conns: dict = {}
         self.kinds: dict[int, str] = {}
         self.closed = False
-        self.purpose = ""  # ", for all_reduce #3": set by the executor, for connect errors
+        self.call = None  # the executor's current Call, named in connect errors
 
     def __call__(self, peer: int, direction: str):
         conn = self.conns.get((peer, direction))
@@ -141,16 +141,19 @@ class Links:
             return t.connect_send(peer, deadline) if direction == "send" else t.connect_recv(peer, deadline)
         except (PeerTimeout, StoreTimeout) as e:
             raise CollectiveTimeout(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                                    f"({direction}{self.purpose}) over {name} within {self.timeout:g} s: {e}") from None
+                                    f"({direction}{self._purpose()}) over {name} within {self.timeout:g} s: {e}") from None
         except Aborted as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) was aborted while connecting to rank "
-                                f"{peer} ({direction}{self.purpose}) over {name}: {e}") from None
+                                f"{peer} ({direction}{self._purpose()}) over {name}: {e}") from None
         except (PeerGone, StoreError) as e:
             raise PeerFailure(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                              f"({direction}{self.purpose}) over {name}: {e}") from None
+                              f"({direction}{self._purpose()}) over {name}: {e}") from None
         except (OSError, ImportError, LookupError) as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                                f"({direction}{self.purpose}) over {name}: {e}") from e
+                                f"({direction}{self._purpose()}) over {name}: {e}") from e
+
+    def _purpose(self) -> str:
+        return f", for {self.call.name} #{self.call.seq}" if self.call is not None else ""
 
     def close(self) -> None:
         self.closed = True

@@ -178,6 +178,10 @@ MODEL_MAX_RANKS = 64  # above this, building every rank's schedule takes too lon
 def _choose(collective, world_size, size_class, params):
     nbytes = 1 << size_class
     names = [a for a in AUTO.get(collective, ()) if a in algorithms.algorithms(collective)]
+    if collective == "all_reduce" and world_size == 2:
+        # Two ranks combine a op b and b op a: the same bits for every op (IEEE + and * commute
+        # exactly), so one-shot's single hop is safe here, and it halves small-message latency.
+        names.append("oneshot")
     if world_size > MODEL_MAX_RANKS:  # NCCL's rule of thumb: trees for latency, rings for bandwidth
         pick = "tree" if "tree" in names and nbytes <= 64 * 1024 else names[0]
         return pick, {}
