@@ -244,6 +244,22 @@ def test_peer_closing_gives_peer_gone_after_its_data(links):
 
 @rdma
 @pytest.mark.timeout(60)
+def test_closing_before_any_slice_is_announced_both_ways(transports):
+    # Neither end has moved a byte: the sender's QP is not even up yet. Each still learns of the
+    # other's close (a CLOSE write after bringing the QP up; a note in the store) instead of a timeout.
+    store = HashStore(timeout=10)
+    t0, t1 = transports(0, store), transports(1, store)
+    s01, _ = t0.connect_send(1, soon()), t1.connect_send(0, soon())
+    _, r10 = t1.connect_recv(0, soon()), t0.connect_recv(1, soon())
+    t1.close()
+    with pytest.raises(PeerGone, match="rank 1 closed its end of the ibverbs link to rank 0"):
+        r10.wait(soon())
+    with pytest.raises(PeerGone, match="rank 1 closed its end of the ibverbs link from rank 0"):
+        s01.acquire(soon())
+
+
+@rdma
+@pytest.mark.timeout(60)
 def test_dead_peer_becomes_peer_gone_naming_both_ranks(transports, monkeypatch):
     # A crash sends no close notice: the QP just vanishes. The waiter's liveness probe is never
     # acknowledged; with a short ack timeout (4.096 us * 2^14 = 67 ms, 6 retries) that is quick.

@@ -196,7 +196,7 @@ class IbSend(_Link, SendConnection):
                        f"and rank {self.ctx.rank} {self.nslots} of {self.slot_bytes}: set RINGCOMM_BUFFSIZE "
                        f"and RINGCOMM_NSLOTS alike on every rank")
             self._raise()
-        if self.t.peek(self.ctx.rank, self.peer, "closed"):
+        if self.t.peek(self.ctx.rank, self.peer, "closed") is not None:
             raise self._peer_closed()
         self.dev.bring_up(self.qp, self.psn, remote)
         self.remote = remote
@@ -250,6 +250,12 @@ class IbSend(_Link, SendConnection):
         if self.closed:
             return
         try:
+            if self.remote is None and not self._quiet_close():
+                # Never used: if the receiver is connected it may be waiting, so come up to say goodbye.
+                remote = self.t.peek(self.ctx.rank, self.peer, "recv")
+                if remote is not None:
+                    self.dev.bring_up(self.qp, self.psn, remote)
+                    self.remote = remote
             if self.remote is not None and not self._quiet_close():
                 # Posted slices must reach the peer: wait for their acks, then say goodbye.
                 self._settle(lambda: self.inflight == 0, LINGER)
@@ -407,16 +413,16 @@ class IbverbsTransport(Transport):
 
     def note_closed(self, peer: int) -> None:
         try:
-            self.ctx.store.set(self._key(peer, self.ctx.rank, "closed"), b"1")
+            self.ctx.store.set(self._key(peer, self.ctx.rank, "closed"), b"1")  # JSON for peek()
         except Exception:  # noqa: BLE001 - best effort: the store may be gone at exit
             pass
 
-    def peek(self, src: int, dst: int, what: str) -> bool:
+    def peek(self, src: int, dst: int, what: str):
+        """The entry if it is in the store now, else None (never waits, never raises)."""
         try:
-            self.ctx.store.get(self._key(src, dst, what), timeout=0)
-            return True
-        except Exception:  # noqa: BLE001 - absent (StoreTimeout) or unreadable: no note
-            return False
+            return json.loads(bytes(self.ctx.store.get(self._key(src, dst, what), timeout=0)))
+        except Exception:  # noqa: BLE001 - absent (StoreTimeout) or unreadable: nothing to see
+            return None
 
     def lookup(self, src: int, dst: int, role: str, deadline: float) -> dict:
         """The other end's entry; waits in short store calls so that an abort is seen."""
