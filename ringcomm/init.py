@@ -117,6 +117,17 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
         raise StoreError(f"rank {rank} (this process) could not join the job through the store: {e}") from None
 
 
+def _spins(world_size: int) -> int:
+    """RINGCOMM_SPINS, else 0 when this host's ranks outnumber its usable cores (a spinning
+    rank then holds the core the rank it waits for needs: measured on 4 ranks on 2 cores,
+    8-byte all_reduce 179 -> 124 us), else 200 (a hand-off in well under a microsecond)."""
+    raw = os.environ.get("RINGCOMM_SPINS")
+    if raw:
+        return int(_env_number("RINGCOMM_SPINS", 200, int))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    return 0 if local > len(os.sched_getaffinity(0)) else 200
+
+
 def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Communicator:
     # Every rank creates its communicators in the same order, so the k-th one of
     # each rank gets the same k: a key prefix no other communicator uses.
@@ -129,7 +140,8 @@ def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Co
     slot_bytes = max(64, buffsize // nslots // 64 * 64)
     watchdog = Watchdog(rank, world_size, store, f"c{k}")
     ctx = LinkContext(rank=rank, world_size=world_size, store=store, prefix=f"c{k}", token=token,
-                      nslots=nslots, slot_bytes=slot_bytes, abort=threading.Event(), watchdog=watchdog)
+                      nslots=nslots, slot_bytes=slot_bytes, abort=threading.Event(), watchdog=watchdog,
+                      spins=_spins(world_size))
     links = Links(ctx, timeout)
     executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots)
     executor.watchdog, watchdog.position = watchdog, executor.position

@@ -71,6 +71,9 @@ class LinkContext:
     # Called from inside waits that last, at most every PATROL_PERIOD seconds: the
     # core uses it to answer "where are you?" when another rank times out.
     watchdog: Any = None
+    # Busy polls before a wait starts yielding the core. 0 when this host runs more ranks than
+    # it has cores: then the rank we wait for may need our core, and spinning only delays it.
+    spins: int = 200
 
 
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
@@ -160,21 +163,22 @@ class Backoff:
     blocking wake-up across cores costs ~100 us here, so sleeping comes last.
     """
 
-    SPINS = 200
+    SPINS = 200  # the default; LinkContext.spins sets it per communicator
     YIELDS = 2000
     MAX_SLEEP = 1e-3
 
-    __slots__ = ("n", "pause")
+    __slots__ = ("n", "pause", "spins")
 
-    def __init__(self) -> None:
+    def __init__(self, spins: int = SPINS) -> None:
         self.n = 0
         self.pause = 2e-5
+        self.spins = spins
 
     def __call__(self) -> None:
         self.n += 1
-        if self.n <= self.SPINS:
+        if self.n <= self.spins:
             return
-        if self.n <= self.SPINS + self.YIELDS:
+        if self.n <= self.spins + self.YIELDS:
             os.sched_yield()
             return
         time.sleep(self.pause)

@@ -142,7 +142,7 @@ class _Link:
 
     def _wait(self, ready, deadline: float, what: str) -> None:
         """Wait until ready() holds; spin, yield, then sleep (see Backoff)."""
-        backoff = Backoff()
+        backoff = Backoff(self.ctx.spins)
         abort, watchdog = self.ctx.abort, self.ctx.watchdog
         next_patrol = time.monotonic() + PATROL_PERIOD
         while not ready():
