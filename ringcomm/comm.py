@@ -1,6 +1,7 @@
 """The Communicator: checks a call, picks an algorithm, hands its Schedule to the executor."""
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 from functools import lru_cache
@@ -207,6 +208,10 @@ class Communicator:
             with self._lock:
                 self._broken = self._broken or str(e)
             self._links.close()
+            if self._owns_store and self.rank == 0 and self._executor.watchdog is not None:
+                # This process hosts the store: keep it up while the others report (at exit,
+                # so a program that catches the error loses no time).
+                atexit.register(self._executor.watchdog.linger)
             raise
         finally:
             self._in_flight = False

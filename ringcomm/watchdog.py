@@ -48,10 +48,13 @@ class Watchdog:
         """Record this rank's failure; if it is the first timeout, return the table of all ranks."""
         try:
             self._publish(state, detail)
+            if self.store.add(self._key("failed"), 1) == self.world_size:
+                self.store.set(self._key("settled"), b"1")  # everyone has said where it is
             if state != "timed out" or self.store.add(self._key("timeouts"), 1) != 1:
                 return ""
             self.store.add(self._key("dump"), 1)
             table = format_table(self._gather(), self.world_size)
+            self.store.set(self._key("settled"), b"1")
         except (RingcommError, OSError) as e:
             return f"(could not collect the other ranks' positions: {e})"
         sys.stderr.write(f"ringcomm: rank {self.rank} timed out first; where every rank is:\n{table}\n")
@@ -59,15 +62,28 @@ class Watchdog:
         return table
 
     def _gather(self) -> dict[int, dict]:
+        """Every rank's published position, waiting up to GATHER_SECONDS for the stragglers
+        (a rank answers at its next patrol); the ranks still missing then have no answer."""
         deadline = time.monotonic() + GATHER_SECONDS
-        found = {}
-        for r in range(self.world_size):
-            try:
-                raw = self.store.get(self._key(f"pos/{r}"), timeout=max(0.0, deadline - time.monotonic()))
-                found[r] = json.loads(raw)
-            except RingcommError:
-                continue
+        found: dict[int, dict] = {}
+        while len(found) < self.world_size:
+            for r in range(self.world_size):
+                if r not in found:
+                    try:
+                        found[r] = json.loads(self.store.get(self._key(f"pos/{r}"), timeout=0.05))
+                    except RingcommError:
+                        pass
+            if time.monotonic() > deadline:
+                break
         return found
+
+    def linger(self) -> None:
+        """On the rank that hosts the store, after a failure: give the other ranks a few
+        seconds to publish and read positions before this process (and the store) goes."""
+        try:
+            self.store.wait([self._key("settled")], timeout=GATHER_SECONDS + 2)
+        except (RingcommError, OSError):
+            pass
 
 
 def format_table(positions: dict[int, dict], world_size: int) -> str:
