@@ -23,7 +23,7 @@ from ringcomm.kernels import host as kernels
 from ringcomm.transport.base import Aborted, PeerGone, PeerTimeout
 
 from .errors import CollectiveTimeout, PeerFailure, RingcommError
-from .schedule.step import BLOCK, OWN, SPLIT, Schedule
+from .schedule.step import SPLIT, Schedule, chunk_span
 
 
 @dataclass(slots=True)
@@ -37,19 +37,6 @@ class Call:
     m: int             # the range count the layouts refer to
     op: str = "sum"
     dev: object = None  # device buffers: ringcomm.device.DeviceSteps does each slice's work on the GPU
-
-
-def chunk_span(layout: str, nchunks: int, c: int, a: int, b: int, m: int) -> tuple[int, int]:
-    """(offset, length) of chunk c of the round [a, b) in a buffer of this layout."""
-    if layout == SPLIT:
-        # Even split, the first (b - a) % nchunks chunks one element longer.
-        base, extra = divmod(b - a, nchunks)
-        return a + c * base + min(c, extra), base + (c < extra)
-    if layout == BLOCK:
-        return c * m + a, b - a
-    if layout == OWN:
-        return a, b - a
-    raise ValueError(f"unknown layout {layout!r}")
 
 
 class Executor:

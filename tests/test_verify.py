@@ -8,7 +8,6 @@ import pytest
 
 import ringcomm
 from ringcomm import comm as _comm
-from ringcomm.executor import chunk_span as executor_chunk_span
 from ringcomm.schedule.ring import ring_all_reduce
 from ringcomm.schedule.step import SPLIT, Schedule, recv, recv_reduce_copy, recv_reduce_copy_send, send
 from ringcomm.schedule.verify import FIFOS, chunk_span, deadlock, verify_schedules
@@ -166,12 +165,18 @@ def test_builder_failure_is_reported_not_raised():
         ringcomm.unregister_algorithm("broken_at_5", "all_reduce")
 
 
-def test_chunk_span_matches_the_executor():
+def test_chunk_span_cuts_each_round_into_even_contiguous_chunks():
+    """The executor and the verifier share step.chunk_span; its SPLIT cut covers the round
+    exactly, in order, with lengths that differ by at most one."""
     rnd = random.Random(5)
     for _ in range(2000):
-        layout = rnd.choice(["split", "block", "own"])
         nchunks, m = rnd.randint(1, 9), rnd.randint(0, 50)
         a = rnd.randint(0, m)
         b = rnd.randint(a, m)
+        spans = [chunk_span("split", nchunks, c, a, b, m) for c in range(nchunks)]
+        assert spans[0][0] == a and sum(n for _, n in spans) == b - a
+        assert all(o1 + n1 == o2 for (o1, n1), (o2, _) in zip(spans, spans[1:]))
+        assert max(n for _, n in spans) - min(n for _, n in spans) <= 1
         c = rnd.randrange(nchunks)
-        assert chunk_span(layout, nchunks, c, a, b, m) == executor_chunk_span(layout, nchunks, c, a, b, m)
+        assert chunk_span("block", nchunks, c, a, b, m) == (c * m + a, b - a)
+        assert chunk_span("own", nchunks, c, a, b, m) == (a, b - a)

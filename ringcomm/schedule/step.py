@@ -29,6 +29,20 @@ from dataclasses import dataclass, field
 #   OWN:   the buffer has m elements; every chunk is [a, b) (only this rank's chunk is used)
 SPLIT, BLOCK, OWN = "split", "block", "own"
 
+def chunk_span(layout: str, nchunks: int, c: int, a: int, b: int, m: int) -> tuple[int, int]:
+    """(offset, length) of chunk c of the round [a, b) in a buffer of this layout: the cut the
+    executor makes and the verifier replays."""
+    if layout == SPLIT:
+        # Even split, the first (b - a) % nchunks chunks one element longer.
+        base, extra = divmod(b - a, nchunks)
+        return a + c * base + min(c, extra), base + (c < extra)
+    if layout == BLOCK:
+        return c * m + a, b - a
+    if layout == OWN:
+        return a, b - a
+    raise ValueError(f"unknown layout {layout!r}")
+
+
 KINDS = {
     # kind: (recv, reduce, copy, send)
     "send": (False, False, False, True),

@@ -3,7 +3,7 @@
 1. The postcondition: every rank ends with exactly the contributions the collective promises
    (simulate.check with FIFOs too large to matter, several rounds, several slices a step).
 2. The reduction order of every output element: which chunk of which round the executor puts
-   it in (the same cut as executor.chunk_span for a given count, item size and FIFO), and the
+   it in (the same cut as step.chunk_span, which the executor uses for a given count, item size and FIFO), and the
    order that chunk's contributions were combined in; whether all ranks hold the same order
    (MPI's rule that all ranks get identical results), exactly or up to swapping the two
    operands of one operation (a + b == b + a bit for bit in IEEE arithmetic, so results
@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .simulate import ScheduleError, Sym, _check_pairing, _expected, _validate, check
-from .step import BLOCK, OWN, SPLIT, Schedule
+from .step import OWN, SPLIT, Schedule, chunk_span
 from .trace import DeadlockError, TracingSim
 
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
@@ -156,19 +156,6 @@ def _orders(rep, scheds, root, itemsize, buffsize, nslots):
     rep.size_independent = all(len(d) == 1 for d in distinct.values())
     if not rep.size_independent:
         rep.witness = _witness(mine, s0, itemsize, buffsize, nslots)
-
-
-def chunk_span(layout: str, nchunks: int, c: int, a: int, b: int, m: int) -> tuple[int, int]:
-    """(offset, length) of chunk c of round [a, b): the executor's cut (executor.chunk_span,
-    repeated here because schedule/ imports nothing else; a test keeps the two equal)."""
-    if layout == SPLIT:
-        base, extra = divmod(b - a, nchunks)
-        return a + c * base + min(c, extra), base + (c < extra)
-    if layout == BLOCK:
-        return c * m + a, b - a
-    if layout == OWN:
-        return a, b - a
-    raise ValueError(f"unknown layout {layout!r}")
 
 
 def element_chunks(s: Schedule, count: int, itemsize: int, buffsize: int, nslots: int):
