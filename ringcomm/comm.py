@@ -26,7 +26,6 @@ ALGOS = {
     "broadcast": {"ring": ring.ring_broadcast, "tree": tree.tree_broadcast, "binomial": direct.binomial_broadcast},
     "reduce": {"ring": ring.ring_reduce, "tree": tree.tree_reduce, "binomial": direct.binomial_reduce},
 }
-TREE_MAX_BYTES = 64 * 1024  # below this, latency (steps on the critical path) beats bandwidth
 
 
 @lru_cache(maxsize=256)
@@ -120,7 +119,9 @@ class Communicator:
         self._execute(p2p.barrier(self.rank, self.world_size), Call("barrier", seq, token, token, 1))
 
     def transport_to(self, peer) -> str:
-        """The transport that joins this rank to ``peer`` ("shm" or "tcp")."""
+        """The transport that joins this rank to ``peer`` for host buffers: "shm" on this host,
+        else "ibverbs" where both ends have an RDMA device, else "tcp" (device buffers use
+        "cuda_ipc" on this host)."""
         self._check_rank(peer, "peer", not_me=True)
         return self._links.transport_for(peer)
 
