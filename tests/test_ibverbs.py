@@ -21,6 +21,8 @@ import pytest
 from ringcomm.store import HashStore
 from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout
 from ringcomm.transport import ibverbs, verbs
+from link_helpers import pattern, recv, send
+from link_helpers import soon as _soon
 
 WHY_NOT = ibverbs.unavailable()
 
@@ -35,24 +37,8 @@ SLOT = 16 * 1024
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "allreduce_loop.py")
 
 
-def soon(seconds: float = 10.0) -> float:
-    return time.monotonic() + seconds
-
-
-def pattern(src: int, i: int, n: int) -> np.ndarray:
-    return ((np.arange(n, dtype=np.uint32) * 2654435761 + src * 977 + i * 31) >> 7).astype(np.uint8)
-
-
-def send(conn, data: np.ndarray, deadline: float) -> None:
-    slot = conn.acquire(deadline)
-    slot[:data.size] = data
-    conn.post(data.size)
-
-
-def recv(conn, deadline: float) -> np.ndarray:
-    data = conn.wait(deadline).copy()
-    conn.release()
-    return data
+def soon(seconds: float = 10.0) -> float:  # emulated RDMA is slow: a longer default
+    return _soon(seconds)
 
 
 def run_threads(*fns, timeout=60.0):

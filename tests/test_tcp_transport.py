@@ -14,28 +14,11 @@ import pytest
 from ringcomm.store import HashStore, TCPStore
 from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout
 from ringcomm.transport.tcp import TcpTransport, interface_address, local_address
+from link_helpers import pattern, recv, send, soon
 
 SLOT = 64 * 1024
 
 
-def soon(seconds: float = 5.0) -> float:
-    return time.monotonic() + seconds
-
-
-def pattern(src: int, i: int, n: int) -> np.ndarray:
-    return ((np.arange(n, dtype=np.uint32) * 2654435761 + src * 977 + i * 31) >> 7).astype(np.uint8)
-
-
-def send(conn, data: np.ndarray, deadline: float) -> None:
-    slot = conn.acquire(deadline)
-    slot[:data.size] = data
-    conn.post(data.size)
-
-
-def recv(conn, deadline: float) -> np.ndarray:
-    data = conn.wait(deadline).copy()
-    conn.release()
-    return data
 
 
 def make(rank, store, *, token="tok", prefix="t", world_size=2, **kw) -> TcpTransport:
