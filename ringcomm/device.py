@@ -18,7 +18,6 @@ the host, with ringcomm.kernels.device.
 """
 from __future__ import annotations
 
-import os
 import time
 
 from .buffers import address
@@ -30,13 +29,9 @@ CLOSE_GRACE = 5.0
 
 def cuda_slot_bytes(nslots: int) -> int:
     """Bytes per device slot: RINGCOMM_CUDA_BUFFSIZE split over the FIFO's slots, 256-byte aligned."""
-    raw = os.environ.get("RINGCOMM_CUDA_BUFFSIZE") or str(DEFAULT_CUDA_BUFFSIZE)
-    try:
-        buffsize = int(raw)
-    except ValueError:
-        raise ValueError(f"RINGCOMM_CUDA_BUFFSIZE={raw!r} is not a number") from None
-    if buffsize <= 0:
-        raise ValueError(f"RINGCOMM_CUDA_BUFFSIZE={raw!r} must be positive")
+    from .init import _env_number  # init imports this module's users: import late
+
+    buffsize = _env_number("RINGCOMM_CUDA_BUFFSIZE", DEFAULT_CUDA_BUFFSIZE, int)
     return max(256, buffsize // nslots // 256 * 256)
 
 
