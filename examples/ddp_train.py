@@ -72,6 +72,10 @@ def main(argv) -> int:
     if rank == 0 and args.save:
         torch.save({k: v.detach().clone() for k, v in model.module.state_dict().items()}, args.save)
         print(f"saved the final parameters to {args.save}")
+    # Both ranks finish before the group goes, and DDP's reducer before the group it holds:
+    # otherwise gloo's threads can die with "terminate called without an active exception".
+    dist.barrier()
+    del model, opt
     dist.destroy_process_group()
     return 0
 

@@ -350,12 +350,20 @@ def test_import_ringcomm_does_not_import_torch():
 
 # ---- DDP: the example, on ringcomm and on gloo ---------------------------------------------------
 
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _train(backend, tmp_path):
     save = tmp_path / f"{backend}.pt"
-    r = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", str(ROOT / "examples" / "ddp_train.py"),
-                        "--backend", backend, "--save", str(save)],
-                       env=_launch_env(), capture_output=True, text=True, timeout=110,
-                       stdin=subprocess.DEVNULL)
+    for attempt in range(3):
+        r = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2",
+                            str(ROOT / "examples" / "ddp_train.py"), "--backend", backend, "--save", str(save)],
+                           env=_launch_env(), capture_output=True, text=True, timeout=110,
+                           stdin=subprocess.DEVNULL)
+        # The reference run only: torch 2.13's gloo sometimes aborts in its own teardown, after
+        # training and saving (about one run in five here). Run it again; ringcomm gets no retry.
+        if not (backend == "gloo" and r.returncode == 134 and GLOO_TEARDOWN_ABORT in r.stdout + r.stderr):
+            break
     assert r.returncode == 0, f"{backend}: {r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     losses = [float(m) for m in re.findall(r"\[rank 0\] step +\d+ +loss ([0-9.]+)", r.stdout)]
     return losses, torch.load(save)
