@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,7 +18,8 @@ import pytest
 from ringcomm.store import HashStore
 from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout
 from ringcomm.transport import ibverbs, verbs
-from link_helpers import pattern, recv, send
+import jobs
+from link_helpers import pattern, recv, run_threads, send
 from link_helpers import soon as _soon
 
 WHY_NOT = ibverbs.unavailable()
@@ -34,29 +32,10 @@ def rdma(test):
 
 
 SLOT = 16 * 1024
-SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "allreduce_loop.py")
 
 
 def soon(seconds: float = 10.0) -> float:  # emulated RDMA is slow: a longer default
     return _soon(seconds)
-
-
-def run_threads(*fns, timeout=60.0):
-    errors, threads = [], []
-    for fn in fns:
-        def body(fn=fn):
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-        threads.append(threading.Thread(target=body))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "deadlock: a rank never finished"
-    if errors:
-        raise errors[0]
 
 
 @pytest.fixture
@@ -140,7 +119,7 @@ def test_both_directions_at_once_many_slices(transports, slot_bytes, nslots, cou
             assert got.size == n and np.array_equal(got, pattern(1 - me, i, n)), f"slice {i}"
             inp.release()
 
-    run_threads(lambda: rank(0, s01, r10), lambda: rank(1, s10, r01))
+    run_threads(lambda: rank(0, s01, r10), lambda: rank(1, s10, r01), timeout=60.0)
     assert (s01.transport, r01.transport) == ("ibverbs", "ibverbs")
 
 
@@ -344,31 +323,18 @@ def test_killed_rank_is_reported_not_a_hang(tmp_path):
     n, victim = 3, 1
     env = dict(os.environ, RINGCOMM_TIMEOUT="60", PID_DIR=str(tmp_path), RINGCOMM_TRANSPORT="ibverbs",
                COUNT=str(1 << 16), RINGCOMM_JOB_ID=f"ibkill{os.getpid()}")
-    proc = subprocess.Popen([sys.executable, "-m", "ringcomm.launch", "-n", str(n), SCRIPT], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 90
-        while not all((tmp_path / f"rank{r}").exists() for r in range(n)):
-            assert proc.poll() is None, f"launcher exited early: {proc.stdout.read()}"
-            assert time.monotonic() < deadline, "ranks did not start"
-            time.sleep(0.05)  # polling for files the ranks write, with a deadline
-        os.kill(int((tmp_path / f"rank{victim}").read_text()), signal.SIGKILL)
-        killed_at = time.monotonic()
-        out, _ = proc.communicate(timeout=100)
-        elapsed = time.monotonic() - killed_at
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    proc = jobs.launch(n, env)
+    with jobs.running([proc]):
+        jobs.wait_for_ranks(tmp_path, range(n), [proc], timeout=90)
+        jobs.kill_rank(tmp_path, victim)
+        (out,), elapsed = jobs.finish([proc], timeout=100)
     assert proc.returncode != 0
     assert elapsed < 45, f"the job took {elapsed:.1f} s to end:\n{out}"
-    lines = []
-    for r in set(range(n)) - {victim}:
-        line = next((x for x in out.splitlines() if x.startswith(f"[rank {r}] ERROR")), None)
-        assert line is not None, f"rank {r} printed no error:\n{out}"
+    errors = jobs.survivor_errors(out, set(range(n)) - {victim})
+    for r, line in errors.items():
         # A survivor may see the victim's QP fail, or its other neighbour leave because of it.
         assert re.search(rf"rank {r} \(this process\).* all_reduce #\d+ .*rank \d over ibverbs", line), line
-        lines.append(line)
+    lines = list(errors.values())
     assert any(f"rank {victim} over ibverbs" in x and "retry counter exceeded" in x for x in lines), out
     assert f"rank {victim} failed first (killed by SIGKILL)" in out
     print(f"survivors reported the kill {elapsed:.1f} s after it:\n{out}")

@@ -14,7 +14,7 @@ import pytest
 from ringcomm.store import HashStore, TCPStore
 from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout
 from ringcomm.transport.tcp import TcpTransport, interface_address, local_address
-from link_helpers import pattern, recv, send, soon
+from link_helpers import pattern, recv, run_threads, send, soon
 
 SLOT = 64 * 1024
 
@@ -60,24 +60,6 @@ def links(transports):
     s01, s10 = t0.connect_send(1, soon()), t1.connect_send(0, soon())
     r01, r10 = t1.connect_recv(0, soon()), t0.connect_recv(1, soon())
     return t0, t1, s01, r01, s10, r10
-
-
-def run_threads(*fns, timeout=15.0):
-    errors, threads = [], []
-    for fn in fns:
-        def body(fn=fn):
-            try:
-                fn()
-            except BaseException as e:  # noqa: BLE001 - re-raised below
-                errors.append(e)
-        threads.append(threading.Thread(target=body))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout)
-    assert not any(t.is_alive() for t in threads), "deadlock: a rank never finished"
-    if errors:
-        raise errors[0]
 
 
 @pytest.mark.timeout(20)

@@ -11,9 +11,10 @@ import secrets
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
+
+import jobs
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts.py")
 SUBNET = "10.250.{}.{}"  # addresses live only on this test's own veth pair
@@ -81,29 +82,17 @@ def test_two_hosts_over_veth(two_hosts):
 def test_cut_link_between_hosts(two_hosts, tmp_path):
     """`ip link set down` on the veth mid-collective: both ranks time out naming each other."""
     (ns_a, dev_a, addr_a), (ns_b, _, _) = two_hosts
-    loop = os.path.join(os.path.dirname(__file__), "scripts", "allreduce_loop.py")
     token = secrets.token_hex(8)
     procs = []
     for node, ns in enumerate((ns_a, ns_b)):
         env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_TIMEOUT="5", PID_DIR=str(tmp_path),
                    RINGCOMM_JOB_ID=f"cut{node}{token[:6]}")
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "1", "--nnodes", "2",
-               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29518", "--grace", "5", loop]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        deadline = time.monotonic() + 60
-        while not all((tmp_path / f"rank{r}").exists() for r in (0, 1)):
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "ranks did not start"
-            time.sleep(0.05)  # polling for files with a deadline
+        procs.append(jobs.launch(1, env, "--nnodes", "2", "--node-rank", str(node), "--master-addr", addr_a,
+                                 "--master-port", "29518", "--grace", "5", prefix=("ip", "netns", "exec", ns)))
+    with jobs.running(procs):
+        jobs.wait_for_ranks(tmp_path, (0, 1), procs, timeout=60)
         _ip("-n", ns_a, "link", "set", dev_a, "down")
-        t0 = time.monotonic()
-        outs = [p.communicate(timeout=40)[0] for p in procs]
-        elapsed = time.monotonic() - t0
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        outs, elapsed = jobs.finish(procs, timeout=40)
     text = "\n".join(outs)
     assert [p.returncode != 0 for p in procs] == [True, True], text
     assert elapsed < 25, f"{elapsed:.1f} s to notice the cut link\n{text}"
