@@ -135,7 +135,10 @@ class _Simulated(_Cuda):
         pass
 
 
-class CudaIpcSend(ShmSend):
+class _DeviceSlots:
+    """What both ends add to the shm link: device slots and, per slot, a "filled" event (the
+    writer's copy is done) and a "freed" event (the reader's kernels are done)."""
+
     transport = "cuda_ipc"
 
     def __init__(self, ctx, peer, seg, cuda, base, events):
@@ -144,6 +147,8 @@ class CudaIpcSend(ShmSend):
         self.slots = cuda.views(base, ctx.nslots, ctx.slot_bytes, seg)
         self.filled, self.freed = events[:ctx.nslots], events[ctx.nslots:]
 
+
+class CudaIpcSend(_DeviceSlots, ShmSend):
     def acquire(self, deadline: float):
         super().acquire(deadline)                       # the host counters say slot i is free ...
         i = self.posted % self.nslots
@@ -172,15 +177,7 @@ class CudaIpcSend(ShmSend):
         self.seg.close()
 
 
-class CudaIpcRecv(ShmRecv):
-    transport = "cuda_ipc"
-
-    def __init__(self, ctx, peer, seg, cuda, base, events):
-        super().__init__(ctx, peer, seg)
-        self.cuda, self.base, self.events, self.stream = cuda, base, events, 0
-        self.slots = cuda.views(base, ctx.nslots, ctx.slot_bytes, seg)
-        self.filled, self.freed = events[:ctx.nslots], events[ctx.nslots:]
-
+class CudaIpcRecv(_DeviceSlots, ShmRecv):
     def wait(self, deadline: float):
         super().wait(deadline)                          # the host counter says slot i is posted ...
         i = self.released % self.nslots
