@@ -21,13 +21,12 @@ from __future__ import annotations
 import re
 import threading
 
-from . import comm as _comm
+from . import catalogue
+from .catalogue import COLLECTIVES, ROOTED, check_collective as _check_collective
 from .schedule.simulate import ScheduleError, check
 from .schedule.step import Schedule
 from .schedule.verify import verify_schedules
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
-ROOTED = ("broadcast", "reduce")
 SIZES = tuple(range(1, 9))
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
 _lock = threading.Lock()
@@ -44,9 +43,9 @@ def register_algorithm(name: str, collective: str, builder, *, sizes=SIZES, repl
     if not callable(builder):
         raise TypeError(f"builder must be callable as builder(rank, n{', root' if collective in ROOTED else ''})"
                         f", got {type(builder).__name__}")
-    if (collective, name) not in USER and name in _comm.ALGOS[collective]:
+    if (collective, name) not in USER and name in catalogue.ALGOS[collective]:
         raise ValueError(f"{name!r} is a built-in {collective} algorithm and cannot be replaced")
-    if name in _comm.ALGOS[collective] and not replace:
+    if name in catalogue.ALGOS[collective] and not replace:
         raise ValueError(f"{collective} already has an algorithm {name!r}; pass replace=True to replace it")
     sizes = tuple(sizes)
     if any(not isinstance(n, int) or n < 1 for n in sizes):
@@ -58,8 +57,7 @@ def register_algorithm(name: str, collective: str, builder, *, sizes=SIZES, repl
         _checked.difference_update({k for k in _checked if k[:2] == (collective, name)})
         _checked.update((collective, name, n, root) for n in sizes for root in _roots(collective, n))
         USER[collective, name] = builder
-        _comm.ALGOS[collective][name] = _lazily_checked(collective, name, builder)
-        _comm.build_schedule.cache_clear()
+        catalogue.add(collective, name, _lazily_checked(collective, name, builder))
 
 
 def unregister_algorithm(name: str, collective: str) -> None:
@@ -69,32 +67,18 @@ def unregister_algorithm(name: str, collective: str) -> None:
         if (collective, name) not in USER:
             raise ValueError(f"{name!r} is not a registered {collective} algorithm")
         del USER[collective, name]
-        del _comm.ALGOS[collective][name]
+        catalogue.remove(collective, name)
         _checked.difference_update({k for k in _checked if k[:2] == (collective, name)})
-        _comm.build_schedule.cache_clear()
 
 
 def algorithms(collective: str) -> list[str]:
     """The names ``algo=`` accepts for ``collective``, built-in and registered."""
-    _check_collective(collective)
-    return list(_comm.ALGOS[collective])
+    return catalogue.names(collective)
 
 
 def schedules(collective: str, algo: str, n: int, root: int | None = None) -> list[Schedule]:
     """Every rank's Schedule of a named algorithm (index = rank)."""
-    _check_collective(collective)
-    if algo not in _comm.ALGOS[collective]:
-        raise ValueError(f"{collective} has no algorithm {algo!r}; choose one of {algorithms(collective)}")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"world size must be an int >= 1, got {n!r}")
-    if collective in ROOTED:
-        root = 0 if root is None else root
-        if not (isinstance(root, int) and 0 <= root < n):
-            raise ValueError(f"root {root!r} out of range for world size {n}")
-        return [_comm.ALGOS[collective][algo](r, n, root) for r in range(n)]
-    if root is not None:
-        raise ValueError(f"{collective} has no root")
-    return [_comm.ALGOS[collective][algo](r, n) for r in range(n)]
+    return catalogue.schedules(collective, algo, n, root)
 
 
 def verify(collective: str, algo: str, world_size: int, count: int, *, root: int | None = None,
@@ -111,7 +95,7 @@ def verify(collective: str, algo: str, world_size: int, count: int, *, root: int
     _check_collective(collective)
     if collective in ROOTED and root is None:
         root = 0
-    builder = USER.get((collective, algo)) or _comm.ALGOS[collective].get(algo)
+    builder = USER.get((collective, algo)) or catalogue.ALGOS[collective].get(algo)
     if builder is None:
         raise ValueError(f"{collective} has no algorithm {algo!r}; choose one of {algorithms(collective)}")
     rep = None
@@ -165,8 +149,3 @@ def _roots(collective, n):
     if collective not in ROOTED:
         return (None,)
     return tuple(range(n))
-
-
-def _check_collective(collective):
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective must be one of {COLLECTIVES}, got {collective!r}")

@@ -4,35 +4,16 @@ from __future__ import annotations
 import atexit
 import os
 import threading
-from functools import lru_cache
 
 import numpy as np
 
-from . import check
+from . import check, model
 from .buffers import address, expect_size, host_array, overlaps, same_dtype
+from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
 from .ops import SUM, as_op
-from .schedule import direct, p2p, recursive, ring, tree
-
-# Algorithms per collective; the first is the fallback when RINGCOMM_ALGO names
-# one that the collective does not have.
-ALGOS = {
-    "all_reduce": {"ring": ring.ring_all_reduce, "tree": tree.tree_all_reduce,
-                   "rabenseifner": recursive.rabenseifner_all_reduce, "oneshot": direct.oneshot_all_reduce},
-    "reduce_scatter": {"ring": ring.ring_reduce_scatter, "halving": recursive.halving_reduce_scatter},
-    "all_gather": {"ring": ring.ring_all_gather, "doubling": recursive.doubling_all_gather,
-                   "bruck": direct.bruck_all_gather},
-    "broadcast": {"ring": ring.ring_broadcast, "tree": tree.tree_broadcast, "binomial": direct.binomial_broadcast},
-    "reduce": {"ring": ring.ring_reduce, "tree": tree.tree_reduce, "binomial": direct.binomial_reduce},
-}
-
-
-@lru_cache(maxsize=256)
-def build_schedule(collective: str, algo: str, rank: int, n: int, root: int | None):
-    make = ALGOS[collective][algo]
-    return make(rank, n) if root is None else make(rank, n, root)
-
+from .schedule import p2p
 
 class Communicator:
     """A group of ranks that run collectives together. Make one with ringcomm.init()."""
@@ -244,7 +225,6 @@ class Communicator:
         key = (collective, max(0, nbytes - 1).bit_length())  # the model's power-of-two size band
         algo = self._auto.get(key)
         if algo is None:
-            from . import model  # the alpha-beta-gamma model picks; RINGCOMM_DEBUG=info says why
             algo = self._auto[key] = model.choose(collective, self.world_size, nbytes)
         return algo
 

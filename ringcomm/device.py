@@ -21,6 +21,7 @@ from __future__ import annotations
 import time
 
 from .buffers import address
+from .env import env_number
 from .executor import Executor
 
 DEFAULT_CUDA_BUFFSIZE = 64 * 1024 * 1024
@@ -29,9 +30,7 @@ CLOSE_GRACE = 5.0
 
 def cuda_slot_bytes(nslots: int) -> int:
     """Bytes per device slot: RINGCOMM_CUDA_BUFFSIZE split over the FIFO's slots, 256-byte aligned."""
-    from .init import _env_number  # init imports this module's users: import late
-
-    buffsize = _env_number("RINGCOMM_CUDA_BUFFSIZE", DEFAULT_CUDA_BUFFSIZE, int)
+    buffsize = env_number("RINGCOMM_CUDA_BUFFSIZE", DEFAULT_CUDA_BUFFSIZE, int)
     return max(256, buffsize // nslots // 256 * 256)
 
 

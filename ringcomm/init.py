@@ -12,6 +12,7 @@ import signal
 import threading
 
 from .comm import Communicator
+from .env import env_number
 from .errors import StoreError
 from .executor import Executor
 from .links import Links
@@ -37,19 +38,6 @@ def from_environment() -> tuple[int, int, int]:
         if r in env and w in env:
             return int(env[r]), int(env[w]), int(env.get(lr, env[r]))
     return 0, 1, 0
-
-
-def _env_number(name, default, kind=float):
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
 
 
 def _store_address() -> tuple[str, int]:
@@ -97,7 +85,7 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
     world_size = env_world if world_size is None else world_size
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is out of range for world_size {world_size}")
-    timeout = float(timeout) if timeout is not None else _env_number("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT)
+    timeout = float(timeout) if timeout is not None else env_number("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT)
     token = os.environ.get("RINGCOMM_TOKEN", "")
     owns_store = store is None
     if world_size > 1:
@@ -123,7 +111,7 @@ def _spins(world_size: int) -> int:
     8-byte all_reduce 179 -> 124 us), else 200 (a hand-off in well under a microsecond)."""
     raw = os.environ.get("RINGCOMM_SPINS")
     if raw:
-        return int(_env_number("RINGCOMM_SPINS", 200, int))
+        return int(env_number("RINGCOMM_SPINS", 200, int))
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
     return 0 if local > len(os.sched_getaffinity(0)) else 200
 
@@ -132,8 +120,8 @@ def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Co
     # Every rank creates its communicators in the same order, so the k-th one of
     # each rank gets the same k: a key prefix no other communicator uses.
     k = store.add(f"ringcomm/comms/{rank}", 1)
-    buffsize = _env_number("RINGCOMM_BUFFSIZE", DEFAULT_BUFFSIZE, int)
-    nslots = _env_number("RINGCOMM_NSLOTS", DEFAULT_NSLOTS, int)
+    buffsize = env_number("RINGCOMM_BUFFSIZE", DEFAULT_BUFFSIZE, int)
+    nslots = env_number("RINGCOMM_NSLOTS", DEFAULT_NSLOTS, int)
     if nslots < 2:  # a step holds its incoming slot until it has an outgoing one: one slot deadlocks
         raise ValueError(f"RINGCOMM_NSLOTS={nslots} must be at least 2: with one slot every ring "
                          f"deadlocks (ringcomm.verify shows the cycle)")

@@ -24,7 +24,7 @@ import sys
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from . import algorithms
+from . import catalogue
 from .schedule.cost import Cost, model_cost
 
 # Fitted on this machine kind (2 cores, shm): see docs/cost_model.md for the run.
@@ -62,9 +62,9 @@ def cost_breakdown(collective, algo, world_size, nbytes, alpha, beta, gamma, *, 
             raise ValueError(f"{name} must be >= 0, got {v!r}")
     if model not in ("rounds", "critical_path"):
         raise ValueError(f"model must be 'rounds' or 'critical_path', got {model!r}")
-    if collective in algorithms.ROOTED and root is None:
+    if collective in catalogue.ROOTED and root is None:
         root = 0
-    scheds = algorithms.schedules(collective, algo, world_size, root)
+    scheds = catalogue.schedules(collective, algo, world_size, root)
     return model_cost(scheds, nbytes, alpha, beta, gamma, model)
 
 
@@ -177,7 +177,7 @@ MODEL_MAX_RANKS = 64  # above this, building every rank's schedule takes too lon
 @lru_cache(maxsize=1024)
 def _choose(collective, world_size, size_class, params):
     nbytes = 1 << size_class
-    names = [a for a in AUTO.get(collective, ()) if a in algorithms.algorithms(collective)]
+    names = [a for a in AUTO.get(collective, ()) if a in catalogue.names(collective)]
     if collective == "all_reduce" and world_size == 2:
         # Two ranks combine a op b and b op a: the same bits for every op (IEEE + and * commute
         # exactly), so one-shot's single hop is safe here, and it halves small-message latency.

@@ -11,7 +11,7 @@ import pytest
 
 import ringcomm
 from harness import World
-from ringcomm import comm as _comm
+from ringcomm import catalogue
 from ringcomm.algorithms import algorithms, check_algorithm, schedules
 from ringcomm.schedule.lang import Program, ProgramError, program_builder
 from ringcomm.schedule.ring import ring_all_gather, ring_all_reduce
@@ -124,14 +124,14 @@ def test_register_lazy_check_at_new_world_size():
     ringcomm.register_algorithm("lazy_demo", "all_reduce", only_small_ok, sizes=(2, 3))
     try:
         assert set(calls) == {2, 3}
-        sched = _comm.build_schedule("all_reduce", "lazy_demo", 0, 4, None)  # first use at n=4: checked
+        sched = catalogue.build_schedule("all_reduce", "lazy_demo", 0, 4, None)  # first use at n=4: checked
         assert sched.steps == ring_all_reduce(0, 4).steps and 4 in calls
         with pytest.raises(ScheduleError, match="world size 11"):
-            _comm.build_schedule("all_reduce", "lazy_demo", 0, 11, None)
+            catalogue.build_schedule("all_reduce", "lazy_demo", 0, 11, None)
         with pytest.raises(ValueError, match="already has"):
             ringcomm.register_algorithm("lazy_demo", "all_reduce", ring_all_reduce)
         ringcomm.register_algorithm("lazy_demo", "all_reduce", ring_all_reduce, replace=True)
-        assert _comm.build_schedule("all_reduce", "lazy_demo", 0, 11, None).steps == ring_all_reduce(0, 11).steps
+        assert catalogue.build_schedule("all_reduce", "lazy_demo", 0, 11, None).steps == ring_all_reduce(0, 11).steps
     finally:
         ringcomm.unregister_algorithm("lazy_demo", "all_reduce")
     assert "lazy_demo" not in algorithms("all_reduce")

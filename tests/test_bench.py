@@ -51,7 +51,7 @@ def test_cli_rejects_bad_arguments(capsys):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
-    from ringcomm.comm import ALGOS
+    from ringcomm.catalogue import ALGOS
     a = parse_args(["reduce", "-d", "float16", "--algo", "all", "-b", "1K", "-e", "4K"])
     assert (a.datatype, a.algos, a.sizes) == ("half", list(ALGOS["reduce"]), [1024, 2048, 4096])
     assert parse_args(["all_reduce", "--algo", "ring,auto"]).algos == ["ring", None]

@@ -53,3 +53,34 @@ def test_dependencies_point_one_way(folder):
         for name in _imports(path):
             if name == "ringcomm" or name.startswith("ringcomm."):
                 assert name.startswith(own), f"{path.relative_to(ROOT)} imports {name}"
+
+
+def _core_imports(path: pathlib.Path, package: str):
+    """The project modules ``path`` imports, at the top or late inside a function."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            if node.module:
+                yield f"{package}.{node.module.split('.')[0]}"
+            else:
+                yield from (f"{package}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ringcomm."):
+            yield ".".join(node.module.split(".")[:2])
+
+
+def test_core_modules_import_no_circle():
+    """comm, model, algorithms, device and init read one catalogue instead of each other."""
+    graph = {f"ringcomm.{p.stem}": set(_core_imports(p, "ringcomm"))
+             for p in _modules(ROOT / "ringcomm") if p.stem != "__init__"}
+    state: dict = {}
+
+    def visit(mod, path):
+        if state.get(mod) == "done" or mod not in graph:
+            return
+        assert state.get(mod) != "open", "import circle: " + " -> ".join(path + [mod])
+        state[mod] = "open"
+        for dep in sorted(graph[mod]):
+            visit(dep, path + [mod])
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        visit(mod, [])

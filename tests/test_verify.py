@@ -7,12 +7,12 @@ import random
 import pytest
 
 import ringcomm
-from ringcomm import comm as _comm
+from ringcomm import catalogue
 from ringcomm.schedule.ring import ring_all_reduce
 from ringcomm.schedule.step import SPLIT, Schedule, recv, recv_reduce_copy, recv_reduce_copy_send, send
 from ringcomm.schedule.verify import FIFOS, chunk_span, deadlock, verify_schedules
 
-BUILTIN = sorted((c, a) for c, algos in _comm.ALGOS.items() for a in algos
+BUILTIN = sorted((c, a) for c, algos in catalogue.ALGOS.items() for a in algos
                  if (c, a) not in ringcomm.algorithms.USER)
 
 

@@ -74,7 +74,7 @@ def _algos(coll: str, text):
     """[None] for automatic, else the algorithm names, checked against what ringcomm has."""
     if text in (None, "", "auto"):
         return [None]
-    from ringcomm.comm import ALGOS
+    from ringcomm.catalogue import ALGOS
     have = list(ALGOS.get(coll, {}))
     names = have if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
