@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from . import check, model
+from . import check, model, vcounts
 from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
@@ -78,6 +78,32 @@ class Communicator:
         y = x if out is None else self._out(out, x, x.size, "reduce")
         self._run("reduce", algo, x, y, x.size, op, root, x.nbytes)
         return buf if out is None else out
+
+    def all_to_all(self, buf, out, *, send_counts=None, recv_counts=None, algo=None):
+        """Without counts: buf's block j (world_size equal blocks) goes to rank j, and out's block i
+        comes from rank i. With send_counts and recv_counts (both, world_size ints each): the blocks
+        are packed in rank order, buf.size == sum(send_counts), out.size == sum(recv_counts), and
+        rank i's send_counts[j] must be rank j's recv_counts[i]. out may not overlap buf."""
+        x, y, m, blocks = vcounts.all_to_all_args(buf, out, send_counts, recv_counts, self.rank, self.world_size)
+        if blocks is not None:
+            algo = vcounts.direct_algo(algo, self._forced_algo, self.rank, self.world_size)
+        self._run("all_to_all", algo, x, y, m, "sum", None, x.nbytes, blocks)
+        return out
+
+    def gather(self, buf, out=None, root=0, *, algo=None):
+        """``root``'s out (world_size * buf.size) gets rank r's buf at block r; other ranks omit out."""
+        self._check_rank(root, "gather root")
+        x, y = vcounts.gather_args(buf, out, self.rank == root, self.rank, root, self.world_size)
+        self._run("gather", algo, x, y, x.size, "sum", root, x.nbytes * self.world_size)
+        return out
+
+    def scatter(self, buf, out, root=0, *, algo=None):
+        """Block r of ``root``'s buf (world_size * out.size) goes to rank r's out; other ranks pass
+        buf=None."""
+        self._check_rank(root, "scatter root")
+        x, y = vcounts.scatter_args(buf, out, self.rank == root, self.rank, root, self.world_size)
+        self._run("scatter", algo, x, y, y.size, "sum", root, y.nbytes * self.world_size)
+        return out
 
     def send(self, buf, peer):
         """Send ``buf`` to ``peer``, which must call recv with a buffer of the same size and dtype."""
@@ -154,12 +180,14 @@ class Communicator:
 
     # ---- the work ------------------------------------------------------------------------------
 
-    def _run(self, collective, algo, x, y, m, op, root, nbytes):
+    def _run(self, collective, algo, x, y, m, op, root, nbytes, blocks=None):
         algo = self._pick_algo(collective, algo, nbytes)
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
         seq = self._next_seq()
-        self._fingerprint(collective, algo, x, m, op, root, seq)
-        self._execute(sched, Call(collective, seq, x, y, m, op))  # a ReduceOp is its name (a str)
+        self._fingerprint(collective, algo, x, m if blocks is None else vcounts.PACKED, op, root, seq)
+        if blocks is not None and self._check and self.world_size > 1:
+            self._check_counts(blocks, seq)
+        self._execute(sched, Call(collective, seq, x, y, m, op, blocks=blocks))  # a ReduceOp is its name (a str)
 
     def _fingerprint(self, collective, algo, x, m, op, root, seq):
         self._ordinal += 1
@@ -170,6 +198,14 @@ class Communicator:
         gather = build_schedule("all_gather", "ring", self.rank, self.world_size, None)
         self._execute(gather, Call(f"{collective} (fingerprint)", seq, mine, every, mine.size))
         check.compare(self.rank, every, self.world_size)
+
+    def _check_counts(self, blocks, seq):
+        """RINGCOMM_DEBUG=check: all-gather every rank's counts; all see whether they agree pairwise."""
+        mine = vcounts.counts_row(blocks)
+        every = np.empty(mine.size * self.world_size, mine.dtype)
+        gather = build_schedule("all_gather", "ring", self.rank, self.world_size, None)
+        self._execute(gather, Call("all_to_all (counts check)", seq, mine, every, mine.size))
+        vcounts.compare(self.rank, every.reshape(self.world_size, mine.size))
 
     def _p2p(self, name, sched, x, y):
         self._execute(sched, Call(name, self._next_seq(), x, y, x.size))

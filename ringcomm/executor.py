@@ -37,6 +37,10 @@ class Call:
     m: int             # the range count the layouts refer to
     op: str = "sum"
     dev: object = None  # device buffers: ringcomm.device.DeviceSteps does each slice's work on the GPU
+    # Packed variable blocks (all_to_all's counts): ((offset, length) of each input block, the
+    # same for the output), handed to chunk_span; m is then the longest block, so the rounds
+    # cover every block. None: equal blocks of m.
+    blocks: tuple | None = None
 
 
 class Executor:
@@ -56,9 +60,10 @@ class Executor:
         self.links.call = call  # named in connect errors
         # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
         # alive and is checked, so a recycled id can never return another schedule's plan.
-        owner, plan = self._plans.get((id(sched), call.inp.itemsize, call.m), (None, None))
+        key = (id(sched), call.inp.itemsize, call.m, call.blocks)
+        owner, plan = self._plans.get(key, (None, None))
         if owner is not sched:
-            plan = self._plan(sched, call)
+            plan = self._plan(sched, call, key)
         self._call, self._nsteps = call, len(sched.steps)
         inp, out = call.inp, call.out
         if call.dev is not None:
@@ -75,20 +80,23 @@ class Executor:
             for entry in plan:
                 self._slice(entry, call, inp, out, fn, in_place)
 
-    def _plan(self, sched: Schedule, call: Call) -> list:
+    def _plan(self, sched: Schedule, call: Call, key) -> list:
         """Every slice of the call, in order: where it reads and writes and which connections it
-        uses. Built once per (schedule, item size, count), so a repeated call is one tight loop."""
+        uses. Built once per (schedule, item size, count, blocks), so a repeated call is one tight loop."""
         srcs, dsts = sched.peers()
         self.links.prepare(srcs, dsts)
         slot_elems = self.slot_bytes // call.inp.itemsize
         chunk_elems = slot_elems * max(1, self.nslots // 2)
         round_elems = chunk_elems * (sched.nchunks if sched.in_layout == SPLIT else 1)
         plan = []
+        ins, outs = call.blocks if call.blocks is not None else (None, None)
         for a in range(0, call.m, round_elems):
             b = min(a + round_elems, call.m)
             for i, step in enumerate(sched.steps):
-                io, n = chunk_span(sched.in_layout, sched.nchunks, step.chunk, a, b, call.m)
-                oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, a, b, call.m)
+                io, n = chunk_span(sched.in_layout, sched.nchunks, step.chunk, a, b, call.m, ins)
+                oo, n_out = chunk_span(sched.out_layout, sched.nchunks, step.chunk, a, b, call.m, outs)
+                if step.recvs:  # a packed block's length is known here from its output block
+                    n = n_out   # (the same as the input's for equal blocks and other layouts)
                 recvs = tuple((p, self.links(p, "recv")) for p in step.src)
                 sends = tuple((p, self.links(p, "send")) for p in step.dst)
                 for s in range(0, n, slot_elems):
@@ -96,7 +104,7 @@ class Executor:
                     plan.append((i, step, io + s, oo + s, k, k * call.inp.itemsize, recvs, sends, len(plan)))
         if len(self._plans) >= 64:
             self._plans.pop(next(iter(self._plans)))
-        self._plans[(id(sched), call.inp.itemsize, call.m)] = (sched, plan)
+        self._plans[key] = (sched, plan)
         return plan
 
     def _slice(self, entry, call: Call, inp, out, fn, in_place) -> None:

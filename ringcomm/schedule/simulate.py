@@ -278,7 +278,8 @@ def simulate(schedules: list[Schedule], *, nslots: int = 2, slices: int = 1, rou
 
 
 _REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
-_COLLECTIVES = _REDUCTIONS + ("all_gather", "broadcast", "barrier")
+_COLLECTIVES = _REDUCTIONS + ("all_gather", "broadcast", "barrier", "all_to_all", "gather", "scatter")
+_ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
 def _expected(collective: str, n: int, nchunks: int, rank: int, root: int | None):
@@ -295,6 +296,12 @@ def _expected(collective: str, n: int, nchunks: int, rank: int, root: int | None
         return [(c, ((root, c),)) for c in range(nchunks)]
     if collective == "reduce":
         return [(c, full(c)) for c in range(nchunks)] if rank == root else []
+    if collective == "all_to_all":     # chunk s * n + d: rank s's input block for d, as it was
+        return [(s * n + rank, ((s, s * n + rank),)) for s in range(n)]
+    if collective == "gather":         # OWN input: rank c's block is named (c, c)
+        return [(c, ((c, c),)) for c in range(nchunks)] if rank == root else []
+    if collective == "scatter":        # OWN output: the one cell sits at index rank % nchunks
+        return [(rank % nchunks, ((root, rank),))]
     return []
 
 
@@ -322,7 +329,7 @@ def check(collective: str, schedules: list[Schedule], root: int | None = None, *
     every final step (where AVG divides) must also see the complete reduction."""
     if collective not in _COLLECTIVES:
         raise ValueError(f"check() knows {_COLLECTIVES}, not {collective!r}")
-    if collective in ("broadcast", "reduce") and root is None:
+    if collective in _ROOTED and root is None:
         raise ValueError(f"check({collective!r}) needs the root")
     for s in schedules:
         if s.collective != collective:
