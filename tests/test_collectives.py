@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cases import ALGOS, COUNTS, DTYPES, OPS, run_cases, sample_cases
+from cases import A2A_COUNTS, ALGOS, BLOCK_COLLECTIVES, COUNTS, DTYPES, OPS, run_cases, sample_cases
 from harness import World
 
 SMALL_FIFO = {"RINGCOMM_BUFFSIZE": "4096", "RINGCOMM_NSLOTS": "4"}  # 1 KiB slots
@@ -42,6 +42,9 @@ def test_matrix_covers_every_axis():
         assert {c["inplace"] for c in cases} == {True, False}
         for coll, algos in ALGOS.items():
             assert {c["algo"] for c in cases if c["collective"] == coll} == set(algos)
+        assert {c["counts"] for c in cases if c["collective"] == "all_to_all"} == set(A2A_COUNTS)
+        for coll in BLOCK_COLLECTIVES:
+            assert {c["count"] for c in cases if c["collective"] == coll} >= set(COUNTS[:-1]), coll
 
 
 def _p2p_and_barrier(comm):
