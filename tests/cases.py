@@ -137,8 +137,8 @@ def run_cases(comm, cases: list[dict]) -> list[str]:
 
 
 def block_size(case: dict, n: int) -> int:
-    """all_to_all's block: the case's count, but the large count is each rank's whole buffer (odd
-    blocks), so every rank's reference holds ~2^20 elements, not n times that."""
+    """The block of all_to_all, gather and scatter: the case's count, but the large count is the
+    whole n-block buffer (odd blocks), so a reference holds ~2^20 elements, not n times that."""
     count = case["count"]
     return count if count < COUNTS[-1] else (count // n) | 1
 
@@ -168,7 +168,8 @@ def run_block_case(comm, case: dict, dev=lambda a: a, host=lambda a, dtype: a) -
     """all_to_all, gather or scatter; ``dev`` / ``host`` move arrays to and from the buffers under
     test (device_cases.py). None when right, else what went wrong."""
     n, r = comm.world_size, comm.rank
-    coll, count, root, kw = case["collective"], case["count"], case["root"], {"algo": case["algo"]}
+    coll, root, kw = case["collective"], case["root"], {"algo": case["algo"]}
+    count = block_size(case, n)
     exact = {**case, "op": "sum"}  # blocks are moved, never combined: bit for bit
     if coll == "all_to_all":
         c = a2a_counts(case, n)
