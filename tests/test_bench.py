@@ -61,7 +61,8 @@ def test_cli_rejects_bad_arguments(capsys):
 
 @pytest.mark.parametrize("coll, factor", [("all_reduce", 2 * 3 / 4), ("all_gather", 3 / 4),
                                           ("reduce_scatter", 3 / 4), ("broadcast", 1.0),
-                                          ("reduce", 1.0), ("sendrecv", 1.0)])
+                                          ("reduce", 1.0), ("sendrecv", 1.0), ("all_to_all", 3 / 4),
+                                          ("gather", 3 / 4), ("scatter", 3 / 4)])
 def test_busbw_uses_nccl_tests_factors(coll, factor):
     count, send_n, recv_n, size = spec.counts(coll, 4096, 4, 4)
     algbw, busbw = spec.bandwidth(coll, size, 2e-6, 4)
@@ -70,8 +71,12 @@ def test_busbw_uses_nccl_tests_factors(coll, factor):
     assert spec.bandwidth(coll, size, 0.0, 4) == (0.0, 0.0)
     if coll == "all_gather":  # count is per rank; the size column is the gathered output
         assert (count, send_n, recv_n, size) == (256, 256, 1024, 4096)
-    elif coll == "reduce_scatter":
+    elif coll in ("reduce_scatter", "scatter"):
         assert (count, send_n, recv_n, size) == (256, 1024, 256, 4096)
+    elif coll == "all_to_all":  # count is what goes to each peer
+        assert (count, send_n, recv_n, size) == (256, 1024, 1024, 4096)
+    elif coll == "gather":
+        assert (count, send_n, recv_n, size) == (256, 256, 1024, 4096)
     else:
         assert (count, send_n, recv_n, size) == (1024, 1024, 1024, 4096)
 
@@ -79,6 +84,9 @@ def test_busbw_uses_nccl_tests_factors(coll, factor):
 def test_sizes_that_do_not_divide_are_truncated_like_nccl_tests():
     assert spec.counts("all_gather", 100, 4, 3) == (8, 8, 24, 96)
     assert spec.counts("all_reduce", 10, 8, 2) == (1, 1, 1, 8)
+    assert spec.counts("scatter", 100, 1, 3) == (32, 96, 32, 96)   # scatter.cu: whole 16 bytes per rank
+    assert spec.counts("scatter", 100, 8, 3) == (4, 12, 4, 96)
+    assert spec.counts("all_to_all", 100, 4, 3) == (8, 24, 24, 96)
 
 
 # ---- check data ----------------------------------------------------------------------------------
@@ -136,7 +144,10 @@ def _simulate(coll, n, root, ins):
     return {"all_reduce": lambda r: red, "reduce": lambda r: red,
             "reduce_scatter": lambda r: red[r * c:(r + 1) * c],
             "all_gather": lambda r: np.concatenate(ins), "broadcast": lambda r: ins[root],
-            "sendrecv": lambda r: ins[(r - 1) % n]}[coll]
+            "sendrecv": lambda r: ins[(r - 1) % n],
+            "all_to_all": lambda r: np.concatenate([x[r * (c // n):(r + 1) * (c // n)] for x in ins]),
+            "gather": lambda r: np.concatenate(ins),  # what the root gets (only the root is checked)
+            "scatter": lambda r: ins[root][r * (c // n):(r + 1) * (c // n)]}[coll]
 
 
 @pytest.mark.parametrize("coll", spec.COLLECTIVES)
@@ -264,3 +275,19 @@ def test_a_corrupted_result_is_counted_wrong_and_fails_the_run():
     rows = _rows(out)
     assert len(rows) == 2 and all(r[8] == "1" and r[12] == "1" for r in rows), out
     assert "# Out of bounds values : 4 FAILED" in out.splitlines()
+
+
+def test_all_to_all_has_no_in_place_row():
+    """nccl-tests leaves its in-place alltoall unchecked; ringcomm refuses overlapping buffers, so the
+    worker never runs it and the table says N/A there, out of the average."""
+    class Three:
+        world_size, rank = 3, 0
+    bufs = (np.zeros(64, np.float32),) * 3
+    ev = worker.measure(Three(), {"root": 0, "op": "sum"}, None, bufs, "all_to_all", 96, True)
+    assert ev == {"size": 96, "count": 8, "in_place": True, "rank_seconds": [0.0] * 3, "rank_wrong": None,
+          "skipped": "all_to_all has no in-place form"}
+    oop = _event(96, 8, [1e-5] * 3, [0] * 3, False)
+    row = report.make_row("all_to_all", 3, "float", "sum", 0, oop, ev)
+    line = report.row_line(row)
+    assert line.split()[-4:] == ["N/A"] * 4 and row["root"] == -1 and row["redop"] == "none"
+    assert report.avg_busbw([row]) == row["oop"]["busbw"]

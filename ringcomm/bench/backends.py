@@ -97,6 +97,14 @@ class RingcommBackend(Backend):
             return (lambda: c.reduce(inp, root, op, out=None if in_place else out, algo=a)), out
         if collective == "sendrecv":
             return self._ring_shift(c.send, c.recv, inp, out), out
+        if collective == "all_to_all":
+            return (lambda: c.all_to_all(inp, out, algo=a)), out
+        if collective == "gather":  # only the root passes out
+            dst = out if self.rank == root else None
+            return (lambda: c.gather(inp, dst, root, algo=a)), out
+        if collective == "scatter":  # only the root passes buf
+            src = inp if self.rank == root else None
+            return (lambda: c.scatter(src, out, root, algo=a)), out
         raise ValueError(f"unknown collective {collective!r}")
 
     def barrier(self):

@@ -39,7 +39,7 @@ def parse_args(argv):
     p.add_argument("-d", "--datatype", default="float", help="int8 uint8 int32 uint32 int64 uint64 half "
                    "float double bfloat16 (numpy names too); default float")
     p.add_argument("-o", "--op", default="sum", choices=spec.OPS)
-    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast / reduce")
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast, reduce, gather, scatter")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     p.add_argument("--check", action="store_true", help="verify every result (#wrong)")
