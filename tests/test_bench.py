@@ -285,7 +285,7 @@ def test_all_to_all_has_no_in_place_row():
     bufs = (np.zeros(64, np.float32),) * 3
     ev = worker.measure(Three(), {"root": 0, "op": "sum"}, None, bufs, "all_to_all", 96, True)
     assert ev == {"size": 96, "count": 8, "in_place": True, "rank_seconds": [0.0] * 3, "rank_wrong": None,
-          "skipped": "all_to_all has no in-place form"}
+                  "skipped": "all_to_all has no in-place form"}
     oop = _event(96, 8, [1e-5] * 3, [0] * 3, False)
     row = report.make_row("all_to_all", 3, "float", "sum", 0, oop, ev)
     line = report.row_line(row)
