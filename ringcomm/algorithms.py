@@ -90,7 +90,8 @@ def verify(collective: str, algo: str, world_size: int, count: int, *, root: int
     slicing, and deadlock with 1, 2, 4 and 8 slots with the shortest counterexample.
 
     ``count`` is the call's element count: the buffer of all_reduce, broadcast and reduce, each
-    rank's input of all_gather, each rank's output of reduce_scatter. A builder that raises is
+    rank's input of all_gather and gather, each rank's output of reduce_scatter and scatter, a block
+    of all_to_all. A builder that raises is
     reported as a failed postcondition, not raised."""
     _check_collective(collective)
     if collective in ROOTED and root is None:

@@ -73,7 +73,8 @@ def cost_breakdown(collective, algo, world_size, nbytes, alpha, beta, gamma, *, 
 
 def cost(collective, algo, world_size, nbytes, alpha, beta, gamma, *, root=None, model="rounds"):
     """Modelled seconds of one call: ``nbytes`` is the vector of all_reduce, broadcast and reduce,
-    the gathered output of all_gather, the input of reduce_scatter (the paper's n)."""
+    the gathered output of all_gather and gather, the input of reduce_scatter and scatter, what each
+    rank sends in all_to_all (the paper's n)."""
     return cost_breakdown(collective, algo, world_size, nbytes, alpha, beta, gamma, root=root,
                           model=model).seconds
 
