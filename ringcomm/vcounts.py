@@ -9,7 +9,7 @@ executor a block table, ((offset, length) of each input block, ... of each outpu
 the TO / FROM layouts read (schedule/step.py). The counts must agree pairwise: rank i's
 send_counts[j] is rank j's recv_counts[i]. Only the two ends of a block know its length, so only
 a schedule that sends every block straight to its destination (alltoall.is_direct) can run
-packed counts: pairwise can, Bruck cannot (its blocks cross intermediate ranks). With
+packed counts: pairwise can, Bruck cannot from 4 ranks up (its blocks cross intermediate ranks). With
 RINGCOMM_DEBUG=check every rank all-gathers the counts and all raise the same
 CollectiveMismatch if any pair disagrees; without it a disagreement fails on the receiving rank
 (a slice of the wrong size) or times out.
@@ -30,7 +30,13 @@ PACKED = -1  # the fingerprint's count for packed counts: each rank's longest bl
 
 
 def counts_tuple(counts, n: int, what: str) -> tuple[int, ...]:
-    """``counts`` (a list, tuple or 1-D integer array of n ints >= 0) as a tuple of ints."""
+    """``counts`` (a list, tuple or 1-D integer array of n ints >= 0) as a tuple of ints. An array
+    is numpy's or anything numpy reads without a copy from a device (a CPU torch tensor)."""
+    if not isinstance(counts, (list, tuple, np.ndarray)) and hasattr(counts, "__array__"):
+        try:
+            counts = np.asarray(counts)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{what} must be a list, tuple or host integer array: {e}") from None
     if isinstance(counts, np.ndarray):
         if counts.dtype.kind not in "iu" or counts.ndim != 1:
             raise TypeError(f"{what} must be a 1-D integer array, got {counts.dtype} with shape {counts.shape}")

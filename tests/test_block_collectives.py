@@ -95,6 +95,10 @@ def test_gather_and_scatter_bad_arguments(comm):
 def test_counts_accepted_as_lists_tuples_and_integer_arrays():
     for given in ([1, 0, 2], (1, 0, 2), np.array([1, 0, 2], np.uint8), np.array([1, 0, 2], np.int64)):
         assert vcounts.counts_tuple(given, 3, "c") == (1, 0, 2)
+    torch = pytest.importorskip("torch", reason="torch split sizes as a tensor")
+    assert vcounts.counts_tuple(torch.tensor([1, 0, 2]), 3, "c") == (1, 0, 2)
+    with pytest.raises(TypeError, match="1-D integer array"):
+        vcounts.counts_tuple(torch.tensor([1.0, 0.0, 2.0]), 3, "c")
     assert vcounts.spans((1, 0, 2)) == ((0, 1), (1, 0), (1, 2))
 
 
