@@ -86,7 +86,7 @@ class Communicator:
         rank i's send_counts[j] must be rank j's recv_counts[i]. out may not overlap buf."""
         x, y, m, blocks = vcounts.all_to_all_args(buf, out, send_counts, recv_counts, self.rank, self.world_size)
         if blocks is not None:
-            algo = vcounts.direct_algo(algo, self._forced_algo, self.rank, self.world_size)
+            algo = vcounts.direct_algo(algo, self._forced_algo, self.world_size)
         self._run("all_to_all", algo, x, y, m, "sum", None, x.nbytes, blocks)
         return out
 

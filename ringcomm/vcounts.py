@@ -86,16 +86,16 @@ def all_to_all_args(buf, out, send_counts, recv_counts, rank: int, n: int):
     return x, y, max(sc + rc), (spans(sc), spans(rc))
 
 
-def direct_algo(algo, forced: str, rank: int, n: int) -> str:
+def direct_algo(algo, forced: str, n: int) -> str:
     """The algorithm for packed counts: ``algo`` if given (ValueError unless it is direct), else
     RINGCOMM_ALGO if that names a direct all_to_all algorithm, else pairwise. Never the model's
     choice: every rank must pick alike, and a rank knows only its own counts."""
     names = ALGOS["all_to_all"]
     if algo is None:
-        algo = forced if forced in names and _direct(forced, rank, n) else "pairwise"
+        algo = forced if forced in names and _direct(names[forced], forced, n) else "pairwise"
     elif algo not in names:
         raise ValueError(f"all_to_all has no algorithm {algo!r}; choose one of {sorted(names)}")
-    elif not _direct(algo, rank, n):
+    elif not _direct(names[algo], algo, n):
         raise ValueError(f"all_to_all algo={algo!r} forwards blocks through other ranks, which do not know "
                          f"the lengths of packed blocks: with send_counts / recv_counts use a direct "
                          f"algorithm such as 'pairwise', or equal blocks without counts")
@@ -103,8 +103,9 @@ def direct_algo(algo, forced: str, rank: int, n: int) -> str:
 
 
 @lru_cache(maxsize=64)
-def _direct(algo: str, rank: int, n: int) -> bool:
-    # Every rank's schedule, not just this one's: all ranks must reach the same answer.
+def _direct(make, algo: str, n: int) -> bool:
+    # Keyed by the builder too, so a registered algorithm replaced under the same name is looked
+    # at afresh. Every rank's schedule, not just this one's: all ranks must reach the same answer.
     return all(is_direct(build_schedule("all_to_all", algo, r, n, None)) for r in range(n))
 
 

@@ -108,11 +108,24 @@ def test_only_direct_algorithms_take_packed_counts():
         br = [catalogue.build_schedule("all_to_all", "bruck", r, n, None) for r in range(n)]
         assert all(is_direct(s) for s in pw)
         assert all(is_direct(s) for s in br) == (n <= 3)  # from 4 ranks up Bruck forwards (j = 3)
-    assert vcounts.direct_algo(None, "", 0, 4) == "pairwise"
-    assert vcounts.direct_algo(None, "bruck", 0, 4) == "pairwise"  # RINGCOMM_ALGO=bruck: not here
-    assert vcounts.direct_algo(None, "pairwise", 0, 4) == "pairwise"
+    assert vcounts.direct_algo(None, "", 4) == "pairwise"
+    assert vcounts.direct_algo(None, "bruck", 4) == "pairwise"  # RINGCOMM_ALGO=bruck: not here
+    assert vcounts.direct_algo(None, "pairwise", 4) == "pairwise"
     with pytest.raises(ValueError, match="forwards blocks through other ranks"):
-        vcounts.direct_algo("bruck", "", 0, 4)
+        vcounts.direct_algo("bruck", "", 4)
+
+
+def test_registered_all_to_all_takes_counts_if_direct():
+    from ringcomm.schedule.alltoall import bruck_all_to_all, pairwise_all_to_all
+    try:
+        ringcomm.register_algorithm("mine", "all_to_all", bruck_all_to_all)
+        with pytest.raises(ValueError, match="forwards blocks"):
+            vcounts.direct_algo("mine", "", 4)
+        ringcomm.register_algorithm("mine", "all_to_all", pairwise_all_to_all, replace=True)
+        assert vcounts.direct_algo("mine", "", 4) == "mine"  # looked at afresh once replaced
+        assert vcounts.direct_algo(None, "mine", 4) == "mine"  # RINGCOMM_ALGO=mine
+    finally:
+        ringcomm.unregister_algorithm("mine", "all_to_all")
 
 
 def test_packed_layout_cuts_every_block_alike_on_both_ends():
