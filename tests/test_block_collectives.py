@@ -211,3 +211,44 @@ def test_refusals_and_counts_check_on_every_rank():
         assert first.startswith(f"CollectiveMismatch: rank {r} (this process): all_to_all counts disagree"), first
         assert "rank 0 sends rank 2 1 elements but rank 2 expects 2" in first, first
         assert y == [0.0, 1.0, 2.0, 3.0] and untouched
+
+
+def _ring_gather(n, root):
+    """Each block walks the ring to the root, forwarded on the way without being kept."""
+    from ringcomm.schedule.lang import Program
+    p = Program("gather", n, n)
+    for c in range(n):
+        v, r = p.chunk(c, c), c
+        while r != root:
+            r = (r + 1) % n
+            v = v.copy(r, output=r == root)
+        if c == root:
+            v.output()
+    return p
+
+
+def _direct_all_to_all(n):
+    from ringcomm.schedule.lang import Program
+    p = Program("all_to_all", n, n * n)
+    for s in range(n):
+        for d in range(n):
+            v = p.chunk(s, s * n + d)  # rank s's block for d
+            v.output() if s == d else v.copy(d)
+    return p
+
+
+def test_programs_for_gather_and_all_to_all():
+    from ringcomm.schedule.lang import Program, ProgramError, program_builder
+    try:
+        ringcomm.register_algorithm("ring", "gather", program_builder(_ring_gather))      # checked at 1..8
+        ringcomm.register_algorithm("direct", "all_to_all", program_builder(_direct_all_to_all))
+        assert ringcomm.verify("gather", "ring", 5, 100, root=2).ok
+        assert ringcomm.verify("all_to_all", "direct", 5, 100).ok
+        assert vcounts.direct_algo("direct", "", 5) == "direct"  # so it takes packed counts
+    finally:
+        ringcomm.unregister_algorithm("ring", "gather")
+        ringcomm.unregister_algorithm("direct", "all_to_all")
+    with pytest.raises(ProgramError, match="owns chunks 3 .. 5"):
+        Program("all_to_all", 3, 9).chunk(1, 2)
+    with pytest.raises(ValueError, match="nchunks must be 9"):
+        Program("all_to_all", 3, 3)
