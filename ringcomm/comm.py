@@ -60,6 +60,8 @@ class Communicator:
         y = host_array(out, "reduce_scatter out", writable=True)
         same_dtype(x, y, "reduce_scatter buf and out")
         expect_size(x, y.size * self.world_size, f"reduce_scatter buf (world_size {self.world_size} x out.size)")
+        if overlaps(x, y) and not _aliases_ok(x, y, "reduce_scatter", self.rank):
+            raise ValueError("reduce_scatter: buf and out overlap without out being buf's own block")
         self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
         return out
 
@@ -244,8 +246,11 @@ class Communicator:
 
 
 def _aliases_ok(x, y, name, rank) -> bool:
-    """In place is allowed where torch allows it: out is buf, or buf is out's own block."""
+    """In place is allowed where torch allows it: out is buf, or buf is out's own block (out is
+    buf's own block for reduce_scatter). schedule/spec.py models exactly these forms."""
     xp, yp = address(x), address(y)
     if name == "all_gather":
         return xp == yp + rank * x.nbytes
+    if name == "reduce_scatter":
+        return yp == xp + rank * y.nbytes
     return xp == yp and x.size == y.size

@@ -38,7 +38,8 @@ class Failure:
     """One thing wrong with a set of schedules. ``rank``, ``step`` (index into that rank's
     steps) and ``chunk`` say where it shows, None where the fault has no such place (a whole
     connection, a builder). ``form`` is "in place" or "out of place" where the fault shows in
-    only one of the forms the API allows."""
+    only one of the forms the API allows; ``fifo`` the (nslots, slices) FIFO shape where a
+    deadlock shows only with FIFOs that small (None: at every size)."""
 
     kind: str
     rank: int | None
@@ -46,6 +47,7 @@ class Failure:
     chunk: int | None
     detail: str
     form: str | None = None
+    fifo: tuple[int, int] | None = None
 
     def __str__(self) -> str:
         where = [f"rank {self.rank}"] if self.rank is not None else []
@@ -53,6 +55,8 @@ class Failure:
         where += [f"chunk {self.chunk}"] if self.chunk is not None else []
         at = f" at {', '.join(where)}" if where else ""
         form = f" ({self.form})" if self.form else ""
+        if self.fifo:
+            form += f" (nslots={self.fifo[0]}, slices={self.fifo[1]})"
         return f"[{self.kind}{at}{form}] {self.detail}"
 
 

@@ -47,6 +47,11 @@ from .step import Schedule, Step
 from .values import Result, Sym
 
 __all__ = ["ScheduleError", "Failure", "Sym", "Result", "simulate", "check"]
+UNBOUNDED = 1 << 30  # slots: a FIFO that never fills
+
+
+def fifo(nslots: int, slices: int) -> str:
+    return f"nslots={'unbounded' if nslots >= UNBOUNDED else nslots}, slices={slices}"
 
 
 def _validate(schedules: list[Schedule]) -> int:
@@ -309,7 +314,7 @@ class _Sim:
                 wait = (f"waits for a free slot on FIFO {me}->{peer} ({len(c.queue)} of {self.nslots} "
                         f"slots posted and not yet taken, {c.used - len(c.queue)} held or acquired)")
             lines.append(f"{st.where()}: {wait}")
-        head = f"deadlock with nslots={self.nslots}, slices={self.slices}:\n  "
+        head = f"deadlock with {fifo(self.nslots, self.slices)}:\n  "
         self._stop(Failure(DEADLOCK, first.sched.rank, first.index, first.sched.steps[first.index].chunk,
                            head + "\n  ".join(lines)))
 

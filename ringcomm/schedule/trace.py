@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .faults import DEADLOCK, UNMATCHED, Failure, ScheduleError
-from .simulate import _Sim
+from .simulate import _Sim, fifo
 from .spec import output_cell
 
 
@@ -96,7 +96,7 @@ class TracingSim(_Sim):
         cycle, past = best
         trace = [f"{i + 1:3d}. {self.events[e][0]}" for i, e in enumerate(sorted(past))]
         trace += [f"  => {self.ranks[r].where()}: {waits[r][1]}" for r in cycle]
-        head = (f"deadlock with nslots={self.nslots}, slices={self.slices}: ranks {cycle} wait for "
+        head = (f"deadlock with {fifo(self.nslots, self.slices)}: ranks {cycle} wait for "
                 f"each other; the shortest run into it has {len(past)} events:\n  ")
         first = self.ranks[cycle[0]]
         failure = Failure(DEADLOCK, cycle[0], first.index, first.sched.steps[first.index].chunk,

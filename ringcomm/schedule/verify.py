@@ -23,16 +23,17 @@
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from .faults import DEADLOCK, Failure, ScheduleError
-from .simulate import Sym, _check_pairing, _validate, check
+from .simulate import UNBOUNDED, Sym, _check_pairing, _validate, check
 from .spec import spec
 from .step import OWN, SPLIT, Schedule, chunk_span
 from .trace import DeadlockError, TracingSim
 
 REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-BIG = 1 << 30                                 # slots: a FIFO that never fills
+BIG = UNBOUNDED                               # slots: a FIFO that never fills
 NOT_CHECKED = "not checked"
 
 
@@ -57,7 +58,9 @@ class Report:
     world_size: int
     count: int
     root: int | None
-    failures: list = field(default_factory=list)  # faults.Failure, the first found first
+    # faults.Failure, the first found first: the postcondition's (fifo None), then one DEADLOCK
+    # for each FIFO shape that deadlocks only at that size (fifo = the shape)
+    failures: list = field(default_factory=list)
     orders: list = field(default_factory=list)    # [(start, stop, order)] of the checked rank's output
     rank_identical: bool = True                  # every rank combined every element in the same order
     identical_up_to_commutation: bool = True     # ... or differ only by swapping operands of one op
@@ -70,7 +73,8 @@ class Report:
     @property
     def postcondition(self) -> str | None:
         """None where the postcondition holds, else what is wrong, one failure a line."""
-        return "\n".join(str(f) for f in self.failures) if self.failures else None
+        found = [f for f in self.failures if f.fifo is None]
+        return "\n".join(str(f) for f in found) if found else None
 
     @property
     def kinds(self) -> set[str]:
@@ -94,10 +98,10 @@ class Report:
     def summary(self) -> str:
         head = (f"{self.collective}/{self.algo} on {self.world_size} ranks, count {self.count}"
                 + (f", root {self.root}" if self.root is not None else ""))
-        lines = [head, "  postcondition: " + ("holds" if not self.failures else
-                                              f"FAILS ({len(self.failures)} failure(s))")]
-        lines += [f"    {str(f).splitlines()[0]}" for f in self.failures[:6]]
-        if self.collective in REDUCING and not self.failures:
+        found = [f for f in self.failures if f.fifo is None]
+        lines = [head, "  postcondition: " + (f"FAILS ({len(found)} failure(s))" if found else "holds")]
+        lines += [f"    {str(f).splitlines()[0]}" for f in found[:6]]
+        if self.collective in REDUCING and not found:
             shown = self.orders[:4]
             lines += [f"  elements [{a}, {b}): {o}" for a, b, o in shown]
             if len(self.orders) > len(shown):
@@ -138,8 +142,11 @@ def verify_schedules(collective: str, scheds: list[Schedule], count: int, *, roo
         check(collective, scheds, root=root, nslots=BIG, slices=3, rounds=3)
     except ScheduleError as e:
         rep.failures = [_with_trace(f, scheds) for f in e.failures]
-    rep.deadlocks = {shape: deadlock(scheds, *shape) for shape in shapes}
-    if not rep.failures and collective in REDUCING:
+    for shape in shapes:
+        rep.deadlocks[shape], f = _deadlock(scheds, *shape)
+        if f is not None and DEADLOCK not in rep.kinds:  # one at every size is reported once
+            rep.failures.append(dataclasses.replace(f, fifo=shape))
+    if not rep.postcondition and collective in REDUCING:
         _orders(rep, scheds, root, itemsize, buffsize, nslots)
     return rep
 
@@ -156,14 +163,18 @@ def _with_trace(f: Failure, scheds) -> Failure:
 def deadlock(scheds: list[Schedule], nslots: int, slices: int) -> str | None:
     """None, or the shortest run into a deadlock with this FIFO shape, as text; "not checked:
     why" where the run stops on something else first (a message no one receives)."""
+    return _deadlock(scheds, nslots, slices)[0]
+
+
+def _deadlock(scheds, nslots, slices) -> tuple[str | None, Failure | None]:
     sim = TracingSim(scheds, nslots, slices, 2)
     try:
         sim.run()
     except DeadlockError as e:
-        return str(e)
+        return str(e), e.failures[-1]
     except ScheduleError as e:
-        return f"{NOT_CHECKED}: the run stopped first on {e.failures[-1]}"
-    return None
+        return f"{NOT_CHECKED}: the run stopped first on {e.failures[-1]}", None
+    return None, None
 
 
 def canonical(order) -> str:
@@ -272,8 +283,9 @@ def _disagreement(orders: dict[int, str], shown: int = 4) -> str:
     for r, o in sorted(orders.items()):
         groups.setdefault(o, []).append(r)
     parts = [f"{_ranks(rs)}: {o}" for o, rs in groups.items()]
-    if len(parts) > shown:
-        parts = parts[:shown] + [f"... {len(parts) - shown} more orders"]
+    if len(parts) > shown + 1:
+        rest = sorted(r for rs in list(groups.values())[shown:] for r in rs)
+        parts = parts[:shown] + [f"{_ranks(rest)}: {len(parts) - shown} other orders"]
     return "; ".join(parts)
 
 
