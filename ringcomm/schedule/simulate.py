@@ -74,6 +74,9 @@ def _validate(schedules: list[Schedule]) -> int:
             if bad or not 0 <= st.chunk < nchunks:
                 raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"rank {r} step {i} {st}: chunk "
                                              f"or peer out of range (n={n}, nchunks={nchunks})")])
+            if len(set(st.src)) < len(st.src) or len(set(st.dst)) < len(st.dst):
+                raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"rank {r} step {i} {st}: names "
+                                             f"a peer twice (a FIFO delivers one slice at a time)")])
             if len(st.src) > 1 and not st.reduces:
                 raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"rank {r} step {i} {st}: "
                                              f"receives from several peers without reducing")])
