@@ -253,7 +253,8 @@ class _Sim:
             self._write(st, output_cell(s, step.chunk), value)
         known = frozenset(st.known)
         for b in step.dst:
-            self.conn(me, b).queue.append(_Msg((st.round, step.chunk, st.slice), value, known, me, st.where()))
+            msg = _Msg((st.round, step.chunk, st.slice), value, known, me, st.where())
+            self.conn(me, b).queue.append(msg)
             self.messages += 1
         st.got, st.acquired = [], 0
         st.slice += 1

@@ -12,7 +12,15 @@ BLOCK side where the other side is OWN (all_gather's ``buf`` is ``out``'s block 
 reduce_scatter's ``out`` is ``buf``'s block r; gather and scatter at the root likewise).
 
 Adding a collective is one SPECS entry: its expected outputs, whether it reduces, whether it
-has a root, and its forms; the simulator and the verifier read nothing else.
+has a root, and its forms; the simulator and the verifier read nothing else (in-place aliasing
+comes from the layouts). For example, with rank q's input block c named (q, c):
+
+    "all_to_all": Spec(lambda n, k, r, root: [(c, ((c, r),)) for c in range(k)]),      # BLOCK/BLOCK
+    "gather":  Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)] if r == root else [],
+                    rooted=True),                                                       # OWN/BLOCK
+    "scatter": Spec(lambda n, k, r, root: [(r % k, ((root, r),))], rooted=True),        # BLOCK/OWN
+
+and ``forms=(OUT_OF_PLACE,)`` for one whose API has no in-place form.
 """
 from __future__ import annotations
 

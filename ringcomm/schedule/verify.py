@@ -28,11 +28,11 @@ from dataclasses import dataclass, field
 
 from .faults import DEADLOCK, Failure, ScheduleError
 from .simulate import UNBOUNDED, Sym, _check_pairing, _validate, check
-from .spec import spec
+from .spec import SPECS, spec
 from .step import OWN, SPLIT, Schedule, chunk_span
 from .trace import DeadlockError, TracingSim
 
-REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+REDUCING = tuple(c for c, sp in SPECS.items() if sp.reduces)  # orders are reported for these
 BIG = UNBOUNDED                               # slots: a FIFO that never fills
 NOT_CHECKED = "not checked"
 
@@ -84,7 +84,8 @@ class Report:
     def deadlock_free(self) -> bool | None:
         """True: no deadlock at any shape, every shape checked. False: a deadlock somewhere
         (or even with unbounded FIFOs). None: nothing found, but some shape was not checked."""
-        if DEADLOCK in self.kinds or any(d and not d.startswith(NOT_CHECKED) for d in self.deadlocks.values()):
+        found = [d for d in self.deadlocks.values() if d and not d.startswith(NOT_CHECKED)]
+        if DEADLOCK in self.kinds or found:
             return False
         if not self.deadlocks or any(d for d in self.deadlocks.values()):
             return None
