@@ -242,10 +242,7 @@ class _Sim:
             if step.reduces:
                 value = self._combine(st, value, msg.value)
             self.conn(msg.sender, me).used -= 1
-        if step.final:
-            if value.post:
-                self._fault(POST_OP, st, f"{st.where()} is final, so AVG divides there, but {value} "
-                                         f"was already divided")
+        if step.final:  # a combined value, never divided yet (_combine refuses divided operands)
             value = Sym(value.terms, value.order, post=True)
             if st.slice == 0:
                 self.finals.append((st.round, me, st.index, step, value))
