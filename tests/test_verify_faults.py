@@ -339,6 +339,10 @@ def test_malformed_schedules():
     swapped = [ring[1], ring[0], ring[2]]
     assert_caught(verdict("all_reduce", swapped), F.MALFORMED)
 
+    split_vs_block = [dataclasses.replace(ring[0], in_layout=BLOCK, out_layout=OWN)] + ring[1:]
+    rep = verdict("all_reduce", split_vs_block)  # the two ends would cut different slices
+    assert rep.kinds == {F.MALFORMED} and "differ in length" in rep.postcondition
+
     def raises(rank, n):
         raise RuntimeError("no schedule for you")
     rep = ringcomm.verify("all_reduce", raises, 3, 10)

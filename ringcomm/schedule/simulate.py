@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from .faults import (DEADLOCK, MALFORMED, POST_OP, READ_AFTER_WRITE, TWICE, UNMATCHED, Failure,
                      ScheduleError)
 from .spec import IN_PLACE, aliases, input_name, output_cell, postcondition, spec
-from .step import Schedule, Step
+from .step import SPLIT, Schedule, Step
 from .values import Result, Sym
 
 __all__ = ["ScheduleError", "Failure", "Sym", "Result", "simulate", "check"]
@@ -69,6 +69,11 @@ def _validate(schedules: list[Schedule]) -> int:
         if s.nchunks != nchunks or nchunks < 1:
             raise ScheduleError([Failure(MALFORMED, r, None, None, f"rank {r} cuts a round into "
                                          f"{s.nchunks} chunks, rank 0 into {nchunks}")])
+        if (s.in_layout == SPLIT) != (schedules[0].in_layout == SPLIT):
+            # a chunk's length (so the slices both ends of a FIFO cut) follows from in_layout
+            raise ScheduleError([Failure(MALFORMED, r, None, None, f"rank {r} cuts its input as "
+                                         f"{s.in_layout}, rank 0 as {schedules[0].in_layout}: their "
+                                         f"chunks, and so their slices, differ in length")])
         for i, st in enumerate(s.steps):
             bad = [p for p in st.src + st.dst if not 0 <= p < n or p == r]
             if bad or not 0 <= st.chunk < nchunks:
