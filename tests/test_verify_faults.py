@@ -167,7 +167,9 @@ def test_missing_contribution(collective, algo, n):
         j = next(j for j, x in enumerate(scheds[leaf].steps) if x.dst == (r,) and x.chunk == st.chunk)
         scheds[leaf] = with_steps(scheds[leaf], scheds[leaf].steps[:j] + scheds[leaf].steps[j + 1:])
     scheds[r] = with_steps(scheds[r], steps)
-    assert_caught(verdict(collective, scheds, root=0), F.MISSING)
+    rep = verdict(collective, scheds, root=0)
+    assert_caught(rep, F.MISSING)
+    assert any(f.form is None for f in rep.failures if f.kind == F.MISSING)  # wrong in both forms
 
 
 @pytest.mark.parametrize("n", SIZES)

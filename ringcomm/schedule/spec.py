@@ -25,7 +25,7 @@ and ``forms=(OUT_OF_PLACE,)`` for one whose API has no in-place form.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .faults import CLOBBER, MISPLACED, MISSING, POST_OP, TWICE, Failure
@@ -93,7 +93,7 @@ def aliases(s: Schedule) -> dict[int, int]:
 
 def postcondition(collective, res: Result, schedules, root) -> list[Failure]:
     """The failures of the first round that has any: final steps, then every rank's outputs in
-    every form (each fault once, in the first form that shows it)."""
+    every form; a fault that shows in more than one form is reported once, with form None."""
     sp, n = spec(collective), len(schedules)
     for rd in range(len(res.round_outputs)):
         if collective == "barrier":
@@ -102,13 +102,12 @@ def postcondition(collective, res: Result, schedules, root) -> list[Failure]:
             found = _finals(res, rd, n) if sp.reduces else []
             for form in sp.forms:
                 found += _outputs(collective, res, rd, schedules, root, form)
-        seen, unique = set(), []
+        unique: dict = {}
         for f in found:
-            if (f.kind, f.rank, f.chunk) not in seen:
-                seen.add((f.kind, f.rank, f.chunk))
-                unique.append(f)
+            key = (f.kind, f.rank, f.chunk)
+            unique[key] = replace(unique[key], form=None) if key in unique else f
         if unique:
-            return unique
+            return list(unique.values())
     return []
 
 
