@@ -221,7 +221,8 @@ def make_decode(fmt: Format, DEVICE: bool, cu=None):
             sig = (v << up) if up > 0 else rounded
             # sig has the hidden bit: adding it carries into the exponent, as a round-up must;
             # past the largest finite value that gives inf (overflow)
-            bits = min(((ebe - 1) << M) + sig, INF) + (SIGN & flip)
+            bits = INF if ebe >= EXPALL else min(((ebe - 1) << M) + sig, INF)   # (no int64 overflow)
+            bits += SIGN & flip
             bits = 0 if nb == 0 else bits       # an exact zero is +0.0 (so is an element of zeros)
             special = QNAN if C == NAN or (C == NINF and pinfs > 0) else INF + (SIGN if C == NINF else 0)
             bits = special if C >= PINF else bits
