@@ -42,6 +42,10 @@ import ml_dtypes
 import numpy as np
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+# numba.cuda (or its simulator) once ringcomm.kernels.device_reproducible is imported. The device bodies
+# name it as a module global, which is what the simulator swaps for its per-thread grid; the host
+# bodies never reach it (DEVICE is a constant, numba prunes the branch).
+cuda = None
 MAX_WORLD = 1024                        # 2^10: the headroom every format's lower limbs keep
 
 
@@ -85,7 +89,7 @@ def codes_for(fmt: Format) -> tuple[int, int, int, int]:
 
 
 # --- the kernel bodies (host and device) -----------------------------------------------------------------
-def make_codes(fmt: Format, DEVICE: bool, cu=None):
+def make_codes(fmt: Format, DEVICE: bool):
     """codes[i] = the scale class of x[i]; x is the floats' bit view (Format.bits)."""
     EB, M, Q = fmt.EB, fmt.M, fmt.Q
     WIDTH = 8 * fmt.bits.itemsize
@@ -94,7 +98,7 @@ def make_codes(fmt: Format, DEVICE: bool, cu=None):
 
     def codes_kernel(x, codes):
         if DEVICE:
-            i, stride = cu.grid(1), cu.gridsize(1)
+            i, stride = cuda.grid(1), cuda.gridsize(1)
         else:
             i, stride = 0, 1
         while i < x.size:
@@ -112,7 +116,7 @@ def make_codes(fmt: Format, DEVICE: bool, cu=None):
     return codes_kernel
 
 
-def make_encode(fmt: Format, DEVICE: bool, cu=None):
+def make_encode(fmt: Format, DEVICE: bool):
     """limbs <- x at its element's scale: element e's NL limbs at limbs[e*NL:(e+1)*NL], so any block of
     elements (reduce_scatter's) has its limbs in one block too."""
     EB, M, Q, F, NL, B = fmt.EB, fmt.M, fmt.Q, fmt.F, fmt.NL, fmt.B
@@ -122,7 +126,7 @@ def make_encode(fmt: Format, DEVICE: bool, cu=None):
 
     def encode_kernel(x, codes, limbs):
         if DEVICE:
-            e, stride = cu.grid(1), cu.gridsize(1)
+            e, stride = cuda.grid(1), cuda.gridsize(1)
         else:
             e, stride = 0, 1
         while e < x.size:
@@ -158,11 +162,12 @@ def make_encode(fmt: Format, DEVICE: bool, cu=None):
     return encode_kernel
 
 
-def make_decode(fmt: Format, DEVICE: bool, cu=None):
+def make_decode(fmt: Format, DEVICE: bool, clz=None):
     """out <- the summed limbs of each element, rounded once to nearest, ties to even. out is the bit view."""
-    if DEVICE:
-        clz = cu.clz                            # count leading zeros of an int64 (64 for 0)
-    else:
+    # Count leading zeros of an int64 (64 for 0): cuda.clz on a GPU, else clz (the simulator's twin)
+    # or, on the host, LLVM's ctlz.
+    GPU_CLZ = DEVICE and clz is None
+    if clz is None and not DEVICE:
         from numba.cpython.unsafe.numbers import leading_zeros as clz
     EB, M, Q, F, NL, B = fmt.EB, fmt.M, fmt.Q, fmt.F, fmt.NL, fmt.B
     EXPALL = 2 ** EB - 1
@@ -175,7 +180,7 @@ def make_decode(fmt: Format, DEVICE: bool, cu=None):
 
     def decode_kernel(sums, codes, out):
         if DEVICE:
-            e, stride = cu.grid(1), cu.gridsize(1)
+            e, stride = cuda.grid(1), cuda.gridsize(1)
         else:
             e, stride = 0, 1
         c = out.size
@@ -203,7 +208,12 @@ def make_decode(fmt: Format, DEVICE: bool, cu=None):
             hi = (hi ^ flip) + (lo >> L)
             lo &= LMASK
             big = hi > 0
-            nb = (L if big else 0) + 64 - clz(hi if big else lo)     # its bit length
+            w = hi if big else lo
+            if GPU_CLZ:
+                lz = cuda.clz(w)
+            else:
+                lz = clz(w)
+            nb = (L if big else 0) + 64 - lz    # its bit length
             # v = its top min(nb, 62) bits, the dropped ones OR-ed into the lowest (sticky) bit:
             # rounding v to M+1 <= 53 bits is rounding the whole magnitude.
             d = max(nb - 62, 0)
