@@ -255,8 +255,9 @@ def _host(name: str, dt: np.dtype):
             k = _cache.get(key)
             if k is None:
                 import numba
-                # nogil: other threads run while a rank converts; no cache=True: closures do not cache
-                k = _cache[key] = numba.njit(nogil=True)(_MAKERS[name](FORMATS[dt], False))
+                # nogil: other threads run while a rank converts. cache: ranks are processes, compile
+                # once per machine (numba keys a closure's cache entry by its cells' values too).
+                k = _cache[key] = numba.njit(nogil=True, cache=True)(_MAKERS[name](FORMATS[dt], False))
     return k
 
 
