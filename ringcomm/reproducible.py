@@ -50,6 +50,40 @@ def wire_bytes(dtype) -> int:
     return kernels.format_of(dtype).wire_bytes
 
 
+def cost(collective: str, algo: str, world_size: int, nbytes, alpha, beta, gamma, *, dtype="float32",
+         root=None, model="rounds") -> dict:
+    """What reproducible mode costs in the alpha-beta-gamma model (ringcomm.cost), against the plain call.
+
+    ``nbytes`` is the plain call's (ringcomm.cost's n) for ``dtype``. Returns the modelled seconds of
+    the plain call, of the MAX pass (1 B per element, an all_reduce: every rank needs every scale) and
+    of the SUM pass on the limbs (NL limbs per element), their sum and its ratio to plain. The kernels
+    that convert (a few ns per element on a CPU) are not in the model."""
+    from . import model as _model
+    fmt = kernels.format_of(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype)
+    count = nbytes / fmt_itemsize(dtype)
+    code_algo = algo if collective == "all_reduce" else "ring"
+    plain = _model.cost(collective, algo, world_size, nbytes, alpha, beta, gamma, root=root, model=model)
+    codes = _model.cost("all_reduce", code_algo, world_size, count, alpha, beta, gamma, model=model)
+    limbs = _model.cost(collective, algo, world_size, count * fmt.NL * fmt.limb.itemsize, alpha, beta, gamma,
+                        root=root, model=model)
+    return {"plain": plain, "max_pass": codes, "sum_pass": limbs, "reproducible": codes + limbs,
+            "ratio": (codes + limbs) / plain if plain else float("nan"),
+            "wire_bytes_per_element": fmt.wire_bytes, "plain_bytes_per_element": fmt_itemsize(dtype)}
+
+
+def describe(dtype) -> str:
+    """One line for reports (ringcomm.verify, ringcomm-bench): what reproducible mode does to a call."""
+    fmt = kernels.format_of(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype)
+    return (f"order-independent: a MAX pass of 1 B per element, then exact integer sums of {fmt.NL} x "
+            f"{fmt.limb} per element ({fmt.wire_bytes} B on the wire against {fmt_itemsize(dtype)} B), "
+            f"one rounding; exact within 2^{fmt.range_bits} of each element's largest input, up to "
+            f"{kernels.MAX_WORLD} ranks")
+
+
+def fmt_itemsize(dtype) -> int:
+    return np.dtype(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype).itemsize
+
+
 def run(comm, collective: str, algo: str, x, y, op, root=None) -> None:
     """The two passes for one call; ``algo`` is already checked, ``y`` is where the result goes."""
     fmt = kernels.format_of(x.dtype)
