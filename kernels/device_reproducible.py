@@ -3,6 +3,7 @@
     exponent_codes(x, codes, stream=None)
     encode(x, codes, limbs, stream=None)
     decode(sums, codes, out, stream=None)
+    canonical(x, stream=None)
 
 The kernel bodies are the host's (ringcomm.kernels.reproducible.make_*, built with DEVICE=True): integer
 arithmetic on the floats' bit patterns only, so a GPU gives the host's bits. numba.cuda cannot call a
@@ -44,7 +45,8 @@ def kernel_source(name: str, dt):
     floats = types.Array(from_dtype(fmt.bits), 1, "C")
     codes = types.Array(types.uint8, 1, "C")
     limbs = types.Array(from_dtype(fmt.limb), 1, "C")
-    args = {"codes": (floats, codes), "encode": (floats, codes, limbs), "decode": (limbs, codes, floats)}[name]
+    args = {"codes": (floats, codes), "encode": (floats, codes, limbs), "decode": (limbs, codes, floats),
+            "canon": (floats,)}[name]
     return _make(name, fmt), args
 
 
@@ -93,3 +95,10 @@ def decode(sums, codes, out, stream=None):
     _launch("decode", np.dtype(out.dtype), out.size, stream, _device.as_device_array(sums),
             _device.as_device_array(codes), _bits(out, fmt))
     return out
+
+
+def canonical(x, stream=None):
+    """x <- x with NaNs made the canonical quiet NaN and -0.0 made +0.0, in place."""
+    fmt = _host.format_of(x.dtype)
+    _launch("canon", np.dtype(x.dtype), x.size, stream, _bits(x, fmt))
+    return x

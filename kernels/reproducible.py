@@ -241,10 +241,35 @@ def make_decode(fmt: Format, DEVICE: bool, clz=None):
     return decode_kernel
 
 
+def make_canon(fmt: Format, DEVICE: bool):
+    """x <- x with every NaN the canonical quiet NaN and every zero +0.0, in place (the bit view):
+    what decode gives for those, so a sum that needs no limbs (two ranks) matches it bit for bit."""
+    EB, M = fmt.EB, fmt.M
+    WIDTH = 8 * fmt.bits.itemsize
+    EXPALL = 2 ** EB - 1
+    QNAN = (EXPALL << M) | (1 << (M - 1))
+    MAG = 2 ** (EB + M) - 1                     # every bit but the sign
+
+    def canon_kernel(x):
+        if DEVICE:
+            e, stride = cuda.grid(1), cuda.gridsize(1)
+        else:
+            e, stride = 0, 1
+        while e < x.size:
+            u = np.int64(x[e])
+            mag = u & MAG
+            if mag > (EXPALL << M):
+                x[e] = QNAN
+            elif mag == 0 and (u >> (WIDTH - 1)) & 1:
+                x[e] = 0
+            e += stride
+    return canon_kernel
+
+
 # --- host entry points -----------------------------------------------------------------------------------
 _cache: dict = {}
 _lock = threading.Lock()
-_MAKERS = {"codes": make_codes, "encode": make_encode, "decode": make_decode}
+_MAKERS = {"codes": make_codes, "encode": make_encode, "decode": make_decode, "canon": make_canon}
 
 
 def _host(name: str, dt: np.dtype):
@@ -289,3 +314,10 @@ def decode(sums: np.ndarray, codes: np.ndarray, out: np.ndarray) -> np.ndarray:
     fmt = format_of(out.dtype)
     _host("decode", out.dtype)(sums, codes, out.view(fmt.bits))
     return out
+
+
+def canonical(x: np.ndarray) -> np.ndarray:
+    """x <- x with NaNs made the canonical quiet NaN and -0.0 made +0.0, in place."""
+    fmt = format_of(x.dtype)
+    _host("canon", x.dtype)(x.view(fmt.bits))
+    return x

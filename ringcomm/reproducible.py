@@ -11,6 +11,14 @@ Two collectives over the ordinary schedules, with the kernels of ringcomm.kernel
    result round it once to the dtype (to nearest, ties to even). AVG then divides that sum by
    world_size and rounds once (ringcomm.kernels' postprocess).
 
+Two ranks (or one) need neither pass: one IEEE addition (float16 / bfloat16: in float32, then rounded
+once, which 24 >= 2p + 2 bits make exact) is already the exact sum rounded once, and it commutes. Where
+an input lies below the window and the limbs would drop its bits, it is too small to move the sum
+across a rounding boundary (it is under 2^-40 of the larger input, the boundary at least 2^-25 away),
+so both give the same bits; what differs is only what IEEE leaves open -- the NaN payload and the sign
+of an all-zero sum -- which ``canonical`` sets as decode does. tests/test_reproducible_kernels.py checks
+the two ways against each other.
+
 reduce_scatter and reduce need every element's scale on every rank (each rank encodes all its blocks),
 so their first pass is an all_reduce; their second is the collective itself on the limbs, which is
 why block r of reduce_scatter and reduce's root output equal the all_reduce's elements bit for bit.
@@ -88,6 +96,9 @@ def run(comm, collective: str, algo: str, x, y, op, root=None) -> None:
     """The two passes for one call; ``algo`` is already checked, ``y`` is where the result goes."""
     fmt = kernels.format_of(x.dtype)
     k = _Kernels(x)
+    if comm.world_size <= 2:
+        _two_ranks(comm, collective, algo, x, y, op, root, k)
+        return
     codes = k.scratch(comm, "codes", np.uint8, x.size)
     k.lib.exponent_codes(x, codes, *k.stream)
     code_algo = algo if collective == "all_reduce" else None    # every rank needs every element's scale
@@ -109,6 +120,17 @@ def run(comm, collective: str, algo: str, x, y, op, root=None) -> None:
             return
         sums, mine = limbs, codes
     k.lib.decode(sums, mine, y, *k.stream)
+    if op == AVG:
+        k.avg(y, comm.world_size)
+
+
+def _two_ranks(comm, collective, algo, x, y, op, root, k) -> None:
+    """The plain sum, made canonical, then AVG's division: the limbs' bits (see the module docstring)."""
+    m = y.size if collective == "reduce_scatter" else x.size
+    comm._run(collective, algo, x, y, m, SUM, root, x.nbytes)
+    if collective == "reduce" and comm.rank != root:
+        return
+    k.lib.canonical(y, *k.stream)
     if op == AVG:
         k.avg(y, comm.world_size)
 

@@ -43,3 +43,6 @@ def test_device_kernels_equal_host_kernels(dt, m):
     DR.decode(cuda.to_device(total), cuda.to_device(cmax), got)
     want = R.decode(total, cmax, np.empty(m, dt))
     assert np.array_equal(bits(got.copy_to_host()), bits(want))
+    got = cuda.to_device(xs[2])
+    DR.canonical(got)
+    assert np.array_equal(bits(got.copy_to_host()), bits(R.canonical(xs[2].copy())))

@@ -140,3 +140,17 @@ def test_inputs_below_the_range_are_dropped_the_same_way_everywhere():
     want = bits(simulated(xs))
     assert np.array_equal(bits(simulated(xs, order=[2, 0, 1], pairwise=True)), want)
     assert simulated(xs)[1] == np.float32(1.0)
+
+
+@pytest.mark.parametrize("dt", DTYPES, ids=IDS)
+def test_two_ranks_one_ieee_add_gives_the_limbs_bits(dt):
+    # What ringcomm.reproducible does for worlds of two: the plain kernel's sum, made canonical.
+    from ringcomm.kernels import host
+    a, b = spread(dt, 2, 3000, seed=4, binades=80)              # far beyond the range too
+    big = float(ml_dtypes.finfo(dt).max)
+    edge = np.array([[np.nan, 1.0, np.inf, -np.inf, -0.0, -0.0, 0.0, big, -big, 1.0, 2.0 ** -30],
+                     [2.0, -np.nan, -np.inf, -np.inf, -0.0, 0.0, -0.0, big, big, 2.0 ** -60, 1.0]])
+    a[:edge.shape[1]], b[:edge.shape[1]] = edge.astype(dt)
+    got = R.canonical(host.reduce_copy(np.empty_like(a), a, b, "sum"))
+    assert np.array_equal(bits(got), bits(simulated([a, b])))
+    assert np.array_equal(bits(got), bits(simulated([b, a])))
