@@ -79,9 +79,12 @@ def cost(collective: str, algo: str, world_size: int, nbytes, alpha, beta, gamma
             "wire_bytes_per_element": fmt.wire_bytes, "plain_bytes_per_element": fmt_itemsize(dtype)}
 
 
-def describe(dtype) -> str:
+def describe(dtype, world_size: int | None = None) -> str:
     """One line for reports (ringcomm.verify, ringcomm-bench): what reproducible mode does to a call."""
     fmt = kernels.format_of(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype)
+    if world_size is not None and world_size <= 2:
+        return ("order-independent: with two ranks one IEEE addition is the exact sum rounded once; "
+                "the plain collective's bytes, then NaN and zeros made canonical")
     return (f"order-independent: a MAX pass of 1 B per element, then exact integer sums of {fmt.NL} x "
             f"{fmt.limb} per element ({fmt.wire_bytes} B on the wire against {fmt_itemsize(dtype)} B), "
             f"one rounding; exact within 2^{fmt.range_bits} of each element's largest input, up to "

@@ -119,3 +119,41 @@ def test_refused_before_any_byte_moves():
         y = np.array([1.5, -0.0, np.inf, 2.0 ** -140], np.float32)   # one rank: the input, zeros made +0.0
         comm.all_reduce(y, reproducible=True)
         assert bits(y).tolist() == bits(np.array([1.5, 0.0, np.inf, 2.0 ** -140], np.float32)).tolist()
+
+
+def test_cost_prices_both_passes():
+    c = repro.cost("all_reduce", "ring", 4, 1 << 20, alpha=3e-5, beta=2.5e-10, gamma=4e-10)
+    plain = ringcomm.cost("all_reduce", "ring", 4, 1 << 20, alpha=3e-5, beta=2.5e-10, gamma=4e-10)
+    codes = ringcomm.cost("all_reduce", "ring", 4, (1 << 20) // 4, alpha=3e-5, beta=2.5e-10, gamma=4e-10)
+    assert c["plain"] == plain and c["max_pass"] == codes and c["reproducible"] == codes + c["sum_pass"]
+    assert c["sum_pass"] == ringcomm.cost("all_reduce", "ring", 4, 3 << 20, alpha=3e-5, beta=2.5e-10, gamma=4e-10)
+    assert "13 B on the wire" in repro.describe("float32") and "two ranks" in repro.describe("float32", 2)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_bench_reproducible_times_both_and_checks_bits(corrupt):
+    from ringcomm.bench import worker
+    from test_bench import _run_cli
+    rc, out, err = _run_cli(["all_reduce", "-n", "3", "-b", "3K", "-e", "12K", "-f", "4", "--iters", "3",
+                             "--warmup", "1", "--algo", "ring,tree", "--reproducible", "--no-progress"],
+                            env_extra={worker.CORRUPT_ENV: "1"} if corrupt else None)
+    rows = [line.split() for line in out.splitlines() if line and not line.startswith("#")]
+    assert [(r[0], r[2]) for r in rows] == [("3072", "ring"), ("12288", "ring"), ("3072", "tree"),
+                                            ("12288", "tree")], out
+    assert all(float(r[3]) > 0 and float(r[4]) > 0 and float(r[5]) > 0 for r in rows), out
+    if corrupt:
+        assert rc == 1 and "bit identity across iterations, ranks and algorithms: FAILED" in out, out
+        assert all(int(r[6]) > 0 for r in rows), out
+    else:
+        assert rc == 0 and "bit identity across iterations, ranks and algorithms: OK" in out, (out, err)
+        assert len({r[7] for r in rows if r[0] == "3072"}) == 1     # one CRC for every algorithm
+
+
+def test_bench_refuses_what_reproducible_mode_does_not_do(capsys):
+    from ringcomm.bench import cli
+    for args in (["all_gather"], ["all_reduce", "-o", "max"], ["all_reduce", "-d", "int32"]):
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args(args + ["--reproducible"])
+        assert e.value.code == 2
+    assert "--reproducible works for" in capsys.readouterr().err
