@@ -136,6 +136,7 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._scratch.clear()
         self._links.close()
         if self._device is not None:
             self._device.close()
