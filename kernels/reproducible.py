@@ -66,6 +66,14 @@ class Format(NamedTuple):
         return self.F - self.M - (self.Q - 1)
 
     @property
+    def one_add_suffices(self) -> bool:
+        """Whether one IEEE addition of two inputs gives this format's bits. An input the window truncates
+        is under 2^-range of the larger one; if that is also under the larger one's distance to the
+        nearest rounding boundary (at least 2^-(M+2) of it), truncated or not it rounds the same way.
+        True for float16, bfloat16, float32; not for float64 (range 46 < 54)."""
+        return self.range_bits >= self.M + 2
+
+    @property
     def wire_bytes(self) -> int:
         """Bytes per element on the wire: the code plus the limbs."""
         return 1 + self.NL * self.limb.itemsize

@@ -11,13 +11,14 @@ Two collectives over the ordinary schedules, with the kernels of ringcomm.kernel
    result round it once to the dtype (to nearest, ties to even). AVG then divides that sum by
    world_size and rounds once (ringcomm.kernels' postprocess).
 
-Two ranks (or one) need neither pass: one IEEE addition (float16 / bfloat16: in float32, then rounded
-once, which 24 >= 2p + 2 bits make exact) is already the exact sum rounded once, and it commutes. Where
-an input lies below the window and the limbs would drop its bits, it is too small to move the sum
-across a rounding boundary (it is under 2^-40 of the larger input, the boundary at least 2^-25 away),
-so both give the same bits; what differs is only what IEEE leaves open -- the NaN payload and the sign
-of an all-zero sum -- which ``canonical`` sets as decode does. tests/test_reproducible_kernels.py checks
-the two ways against each other.
+Two ranks (or one) of float16, bfloat16 or float32 need neither pass: one IEEE addition (float16 /
+bfloat16: in float32, then rounded once, which 24 >= 2p + 2 bits make exact) is already the exact sum
+rounded once, and it commutes. Where an input lies below the window and the limbs would drop its bits,
+it is too small to move the sum across a rounding boundary (float32: under 2^-40 of the larger input,
+the boundary at least 2^-25 away; Format.one_add_suffices), so both give the same bits; what differs is
+only what IEEE leaves open -- the NaN payload and the sign of an all-zero sum -- which ``canonical``
+sets as decode does. float64's window (46 bits) is narrower than that margin (54), so float64 always
+takes the limbs. tests/test_reproducible_kernels.py checks the two ways against each other.
 
 reduce_scatter and reduce need every element's scale on every rank (each rank encodes all its blocks),
 so their first pass is an all_reduce; their second is the collective itself on the limbs, which is
@@ -82,7 +83,7 @@ def cost(collective: str, algo: str, world_size: int, nbytes, alpha, beta, gamma
 def describe(dtype, world_size: int | None = None) -> str:
     """One line for reports (ringcomm.verify, ringcomm-bench): what reproducible mode does to a call."""
     fmt = kernels.format_of(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype)
-    if world_size is not None and world_size <= 2:
+    if world_size is not None and world_size <= 2 and fmt.one_add_suffices:
         return ("order-independent: with two ranks one IEEE addition is the exact sum rounded once; "
                 "the plain collective's bytes, then NaN and zeros made canonical")
     return (f"order-independent: a MAX pass of 1 B per element, then exact integer sums of {fmt.NL} x "
@@ -99,7 +100,7 @@ def run(comm, collective: str, algo: str, x, y, op, root=None) -> None:
     """The two passes for one call; ``algo`` is already checked, ``y`` is where the result goes."""
     fmt = kernels.format_of(x.dtype)
     k = _Kernels(x)
-    if comm.world_size <= 2:
+    if comm.world_size <= 2 and fmt.one_add_suffices:
         _two_ranks(comm, collective, algo, x, y, op, root, k)
         return
     codes = k.scratch(comm, "codes", np.uint8, x.size)

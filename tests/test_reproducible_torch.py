@@ -32,8 +32,10 @@ def _calls(rank, n, xs):
     m = torch.tensor([rank, 7 - rank], dtype=torch.int32)
     dist.all_reduce(m, op=dist.ReduceOp.MAX)                      # not a sum: plain, as before
     want_avg = host.postprocess(x.numpy().copy(), "avg", n)
+    tie = torch.tensor([1.0 if rank == 0 else 2.0 ** -53 + 2.0 ** -104], dtype=torch.float64)
+    dist.all_reduce(tie)                  # float64 on two ranks takes the limbs: the window's bits
     return (bits(x.numpy()).copy(), bits(rs.numpy()).copy(), bool(np.array_equal(bits(avg.numpy()), bits(want_avg))),
-            m.tolist())
+            m.tolist(), tie.item())
 
 
 @pytest.mark.timeout(180)
@@ -46,10 +48,10 @@ def test_torch_group_with_reproducible_env(monkeypatch):
         got = world.run(_calls, xs)
     finally:
         world.close()
-    for rank, (ar, rs, avg_ok, m) in enumerate(got):
+    for rank, (ar, rs, avg_ok, m, tie) in enumerate(got):
         assert np.array_equal(ar, want)
         assert np.array_equal(rs, want[rank * (COUNT // N):(rank + 1) * (COUNT // N)])
-        assert avg_ok and m == [1, 7]
+        assert avg_ok and m == [1, 7] and tie == 1.0
 
 
 def test_bad_env_value_names_the_variable(monkeypatch):
