@@ -205,16 +205,17 @@ def _close_current(comm):
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("run", range(SHRINK_RUNS))
 def test_shrink_after_sigkill_of_rank_0_then_a_middle_then_the_last(transport, run):
-    """One world loses its rank 0 (the store's host), then the middle rank of the survivors, then
-    the last one; each time the survivors' collective fails, shrink returns within the timeout
-    and the new communicator's all_reduce is right."""
+    """One world loses its rank 0 (init's store host), then the middle rank of the survivors, then
+    the last one, then the first again (the host of a store a shrink made); each time the
+    survivors' collective fails, shrink returns within the timeout and the new communicator's
+    all_reduce is right."""
     n = 6
     rnd = random.Random()
     env = {"RINGCOMM_TRANSPORT": transport, "RINGCOMM_BUFFSIZE": "65536"}
     with World(n, env, timeout=TIMEOUT, rank0_hosts_store=True) as world:
         world.run(_sum_check, 0, timeout=60)
         alive = list(range(n))
-        for where in ("first", "middle", "last"):
+        for where in ("first", "middle", "last", "first"):
             position = {"first": 0, "middle": len(alive) // 2, "last": len(alive) - 1}[where]
             world.start(_loop_until_error, rnd.randrange(1000), ranks=alive)
             time.sleep(rnd.uniform(0.05, 0.3))  # the fault's random moment, not synchronisation
