@@ -156,8 +156,7 @@ class Leader:
             self._collect()
             members = sorted([self.roster.rank, *self.joined])
             address = serve(members)
-            for s in self.joined.values():
-                _send_quietly(s, {"members": members, "store": address})
+            self._tell_all({"members": members, "store": address})
             return members, address
         except _Problem as e:
             self._tell_all({"error": str(e), "timeout": e.timeout})

@@ -58,6 +58,60 @@ def test_bad_arguments_raise_before_anything_moves():
         comm.split(0)
 
 
+def test_a_zombie_counts_as_dead():
+    """A SIGKILLed rank its parent has not reaped yet is a zombie: kill(pid, 0) still succeeds,
+    but shm peers and shrink must see it as dead."""
+    import subprocess
+    import sys
+
+    from ringcomm.transport.base import process_gone
+    from ringcomm.transport.shm import _pid_alive
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not process_gone(p.pid) and _pid_alive(p.pid)
+        os.kill(p.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not process_gone(p.pid):  # the kernel makes it a zombie; we have not reaped it
+            assert time.monotonic() < deadline, "the killed child never became a zombie"
+            time.sleep(0.01)  # polling /proc with a deadline
+        assert not _pid_alive(p.pid)
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_callers_that_disagree_on_exclude_are_told():
+    """Three ranks of one process (threads) meet; rank 2 passes another exclude than rank 0."""
+    from link_helpers import run_threads
+
+    from ringcomm.meet import meet
+    from ringcomm.roster import Roster
+    from ringcomm.store import HashStore
+    store, deadline = HashStore(timeout=5), time.monotonic() + 5
+    rosters = [Roster(r, 3, "this host") for r in range(3)]
+    results = {}
+
+    def rank(r, exclude):
+        def body():
+            rosters[r].join(store, "p", deadline)
+            try:
+                results[r] = meet(rosters[r], frozenset(exclude), "", time.monotonic() + 2, lambda m: "")
+            except ringcomm.RingcommError as e:
+                results[r] = e
+        return body
+
+    try:
+        run_threads(rank(0, []), rank(1, []), rank(2, [1]), timeout=20)
+    finally:
+        for ro in rosters:
+            ro.close()
+    assert all(isinstance(e, ringcomm.RingcommError) for e in results.values()), results
+    for r in (0, 2):
+        assert re.search(rf"^rank {r} \(this process\).*the ranks disagree: rank 2 called "
+                         rf"shrink\(exclude=\[1\]\), rank 0 called shrink\(exclude=\[\]\)",
+                         str(results[r])), results[r]
+
+
 # ---- split ---------------------------------------------------------------------------------
 
 SPLITS = [  # (name, color of rank r in a world of 8, key of rank r): children of every size 1..8
@@ -79,7 +133,16 @@ def _expected(n, color_of, key_of, r):
     return ranks.index(r), len(ranks), float(sum(q + 1 for q in ranks))
 
 
+def _resources():
+    import threading
+    return len(os.listdir("/proc/self/fd")), threading.active_count()
+
+
 def _split_all(comm):
+    # The parent's own connections are made at its first calls: make them before counting.
+    comm.split(0).close()
+    _sum_check(comm, 0)
+    _COMMS["before"] = _resources()
     got = []
     for name, color_of, key_of in SPLITS:
         sub = comm.split(color_of(comm.rank), key_of(comm.rank))
@@ -101,12 +164,15 @@ def _interleave_and_close(comm):
     nested = b.split(b.rank % 2, key=-b.rank)       # a child's child
     b.close()                                       # parent first ...
     total += _sum_check(nested, comm.rank)          # ... its child goes on
-    whole = _COMMS.pop("8").shrink()                # shrink with nobody dead: every rank, same order
+    whole = _COMMS["8"].shrink()                    # shrink with nobody dead: every rank, same order
     total += _sum_check(whole, comm.rank)
     out = (nested.rank, nested.world_size, whole.rank, whole.world_size, total)
+    before = _COMMS.pop("before")
     for c in (nested, whole, *_COMMS.values()):
         c.close()
     _COMMS.clear()
+    after = _resources()
+    assert after == before, f"rank {comm.rank}: (fds, threads) {before} before the splits, {after} after closing"
     return out
 
 
