@@ -201,9 +201,11 @@ def test_split_sizes_keys_nesting_and_closing_order(transport):
 # ---- shrink --------------------------------------------------------------------------------
 
 def _shrink_excluding(comm, exclude):
+    before = _resources()
     sub = comm.shrink(exclude=exclude)
     out = (sub.rank, sub.world_size, _sum_check(sub, comm.rank))
     sub.close()
+    assert _resources() == before, f"rank {comm.rank}: (fds, threads) {before} before shrink, {_resources()} after"
     return out
 
 
