@@ -219,9 +219,10 @@ def _shrink_timed(comm):
 
 
 @pytest.mark.timeout(120)
-def test_shrink_with_exclude_and_a_stopped_rank():
+def test_shrink_with_exclude_a_stopped_rank_and_a_leader_that_dies():
     """exclude (the excluded rank does not call); then a stopped rank: every caller gets a clear
-    timeout naming it within the deadline, and excluding it then works."""
+    timeout naming it within the deadline, and excluding it then works. Last, the rank that
+    would lead (rank 0) dies while the others wait for it: they go on to the next one."""
     n, stopped, t = 4, 2, 4.0
     with World(n, {"RINGCOMM_TIMEOUT": str(t)}, timeout=t, rank0_hosts_store=True) as world:
         got = world.run(_shrink_excluding, [1], ranks=[0, 2, 3], timeout=60)
@@ -238,6 +239,22 @@ def test_shrink_with_exclude_and_a_stopped_rank():
             assert got == [(0, 3, 7.0), (1, 3, 7.0), (2, 3, 7.0)]  # ranks 0, 1, 3: 1 + 2 + 4
         finally:
             world.procs[stopped].kill()
+        world.start(_shrink_and_check, ranks=[1, 3])  # they reach rank 0, which is not in shrink
+        time.sleep(0.5)  # the fault's moment: any works, this one makes them wait for rank 0 first
+        world.procs[0].kill()
+        got = world.collect([1, 3], 30)
+        assert [value for _, value in got.values()] == [(0, 2, 6.0), (1, 2, 6.0)], got  # 2 + 4
+        for status, value in got.values():
+            assert status == "ok", value
+
+
+def _shrink_and_check(comm):
+    t0 = time.monotonic()
+    sub = comm.shrink()
+    assert time.monotonic() - t0 < comm.timeout
+    out = (sub.rank, sub.world_size, _sum_check(sub, comm.rank))
+    sub.close()
+    return out
 
 
 def _loop_until_error(comm, seed):
