@@ -60,42 +60,50 @@ def check_exclude(exclude, rank: int, world_size: int) -> frozenset:
 
 def split(comm, color, key):
     color, key = check_split(color, key)
-    n, me = comm.world_size, comm.rank
+    n = comm.world_size
     every = np.empty(2 * n, np.int64)
     comm.all_gather(np.array([-1 if color is None else color, key], np.int64), every)
     ranks = [r for _, r in sorted((int(k), r) for r, (c, k) in enumerate(every.reshape(n, 2))
                                   if color is not None and c == color)]
-    # The first rank of each colour starts the new communicator's store and tells the others
-    # where, in a second all_gather of the parent (every rank, colour None too, takes part).
-    hosted, address = None, ""
-    if len(ranks) > 1 and ranks[0] == me:
+    hosted, address = _exchange_store_address(comm, ranks)
+    if color is None:
+        return None
+    what = f"split(color={color}, key={key})"
+    deadline = time.monotonic() + comm.timeout
+    if len(ranks) == 1:
+        return _make(comm, ranks, HashStore(comm.timeout), deadline, what)
+    if not address:
+        raise StoreError(f"rank {comm.rank} (this process): {what}: rank {ranks[0]}, the new "
+                         f"communicator's rank 0, could not start its store")
+    return _make(comm, ranks, hosted or _dial(comm, address, deadline, what), deadline, what)
+
+
+def _exchange_store_address(comm, ranks: list[int]) -> tuple[TCPStore | None, str]:
+    """(the store this rank hosts, if any; the "host:port" of its colour's store, "" if none).
+
+    The first rank of each colour of several ranks starts the new communicator's store and
+    tells the others where, in a second all_gather of the parent that every rank (colour None
+    too) takes part in, so the parent stays in step even when a store cannot start.
+    """
+    hosted, mine = None, ""
+    if len(ranks) > 1 and ranks[0] == comm.rank:
         try:
             hosted = _serve(comm)
-            address = f"{hosted.host}:{hosted.port}"
-        except StoreError:
-            pass  # the members learn it from the empty address below; the parent stays in step
+            mine = f"{hosted.host}:{hosted.port}"
+        except (StoreError, OSError):
+            pass  # the members read an empty address and say so
     blob = np.zeros(ADDRESS_BYTES, np.uint8)
-    blob[:len(address)] = np.frombuffer(address.encode(), np.uint8)
-    addresses = np.empty(ADDRESS_BYTES * n, np.uint8)
+    blob[:len(mine)] = np.frombuffer(mine.encode(), np.uint8)
+    every = np.empty(ADDRESS_BYTES * comm.world_size, np.uint8).reshape(comm.world_size, ADDRESS_BYTES)
     try:
-        comm.all_gather(blob, addresses)
+        comm.all_gather(blob, every.reshape(-1))
     except BaseException:
         if hosted is not None:
             hosted.close()
         raise
-    if color is None:
-        return None
-    what = f"split(color={color}, key={key})"
-    if len(ranks) == 1:
-        return _make(comm, ranks, HashStore(comm.timeout), time.monotonic() + comm.timeout, what)
-    leader = ranks[0]
-    theirs = addresses[leader * ADDRESS_BYTES:(leader + 1) * ADDRESS_BYTES].tobytes().rstrip(b"\0").decode()
-    if not theirs:
-        raise StoreError(f"rank {me} (this process): {what}: rank {leader}, the new communicator's "
-                         f"rank 0, could not start its store")
-    deadline = time.monotonic() + comm.timeout
-    store = hosted or _dial(comm, theirs, deadline, what)
-    return _make(comm, ranks, store, deadline, what)
+    if not ranks:
+        return None, ""
+    return hosted, every[ranks[0]].tobytes().rstrip(b"\0").decode()
 
 
 def shrink(comm, exclude):
