@@ -314,4 +314,6 @@ def test_shrink_after_sigkill_of_rank_0_then_a_middle_then_the_last(transport, r
             for i, (r, (elapsed, rank, size, value)) in enumerate(zip(alive, got)):
                 assert elapsed < TIMEOUT, f"rank {r}'s shrink took {elapsed:.1f} s (victim {victim})"
                 assert (rank, size, value) == (i, len(alive), total), (r, victim, got)
+            print(f"{transport}: rank {victim} killed ({where}); slowest shrink "
+                  f"{max(e for e, *_ in got):.3f} s of {len(alive)} survivors")  # shown by pytest -s
         world.run(_close_current, ranks=alive, timeout=30)
