@@ -52,8 +52,8 @@ class Roster:
                 raw = store.get(f"{prefix}/roster/{r}", timeout=max(0.0, deadline - time.monotonic()))
             except StoreTimeout:
                 missing = [q for q in range(r, self.world_size) if not _has(store, f"{prefix}/roster/{q}")]
-                raise StoreTimeout(f"rank {self.rank} (this process) waited for every rank to join "
-                                   f"the communicator; still missing: ranks {missing}") from None
+                raise StoreTimeout(f"not every rank joined the communicator in time; still missing: "
+                                   f"ranks {missing}") from None
             entries.append(json.loads(raw))
         self.entries = entries
         self.uid = hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest()[:32]
