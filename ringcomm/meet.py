@@ -36,6 +36,7 @@ FRAME = struct.Struct("!I")
 MAX_FRAME = 1 << 20
 HELLO_TIMEOUT = 1.0    # an accepted connection must say JOIN within this (probes just close)
 CONNECT_TIMEOUT = 2.0  # per attempt to reach a rank that may lead
+PROBE_MAX = 2.0        # longest pause between a leader's probes of a rank that has not come
 
 
 DEAD, RETRY = "dead", "retry"  # what _try_follow learnt about a rank that gave no decision
@@ -177,7 +178,9 @@ class Leader:
         return [r for r in self.expected if r not in self.joined and r not in self.dead]
 
     def _collect(self) -> None:
-        next_probe = time.monotonic()
+        # Probes of a rank that has not come sit in its backlog (only a leader accepts), so they
+        # grow apart: a death still shows within PROBE_MAX, and a long wait fills no backlog.
+        next_probe, period = time.monotonic(), PATROL_PERIOD
         while True:
             self._drop_departed()
             missing = self._missing()
@@ -186,14 +189,15 @@ class Leader:
             now = time.monotonic()
             if now >= next_probe:
                 self.dead.update(r for r in missing if self.roster.dead(r, min(1.0, PATROL_PERIOD)))
-                next_probe = time.monotonic() + PATROL_PERIOD
+                next_probe, period = time.monotonic() + period, min(period * 1.5, PROBE_MAX)
                 continue
             if now >= self.give_up:
-                verb = "is" if len(missing) == 1 else "are"
+                they = "it" if len(missing) == 1 else "them"
                 raise _Problem(
-                    f"{ranks_text(missing)} {verb} alive (its socket answers) but did not come to "
-                    f"the meeting within {now - self.started:.1f} s: stopped, or not calling shrink; "
-                    f"kill it or pass it in exclude and call shrink again", timeout=True)
+                    f"{ranks_text(missing)} {'is' if len(missing) == 1 else 'are'} alive (connections are "
+                    f"accepted) but did not come to the meeting within {now - self.started:.1f} s: stopped, "
+                    f"or not calling shrink; kill {they} or pass {they} in exclude and call shrink again",
+                    timeout=True)
             conn = self.roster.accept(min(next_probe, self.give_up) - now)
             if conn is not None:
                 self._admit(conn)
@@ -208,27 +212,32 @@ class Leader:
             conn.close()  # another job: it gets nothing from us
             return
         r = msg.get("rank")
-        problem = self._disagreement(msg)
+        problem, fatal = self._disagreement(msg)
         if problem:
             _send_quietly(conn, {"error": problem})
             conn.close()
-            raise _Problem(problem)
+            if fatal:
+                raise _Problem(problem)
+            return
         old = self.joined.pop(r, None)
         if old is not None:
             old.close()  # the same rank came back (it lost its first connection)
         self.joined[r] = conn
         self.dead.discard(r)
 
-    def _disagreement(self, msg: dict) -> str:
+    def _disagreement(self, msg: dict) -> tuple[str, bool]:
+        """(what is wrong with this JOIN, or ""; whether it fails the whole meeting). A stranger
+        (another communicator reaching a reused port) is only turned away; callers of this
+        communicator that disagree on exclude fail it: the program has a bug."""
         r, mine = msg.get("rank"), self.join
         if msg.get("uid") != mine["uid"]:
-            return f"a rank of another communicator (calling itself rank {r}) joined {self.what}"
+            return f"rank {self.roster.rank}'s socket belongs to another communicator now", False
         if r not in self.expected:
-            return f"rank {r} joined {self.what}, led by rank {self.roster.rank}, which it should lead or skip"
+            return f"rank {r} came to rank {self.roster.rank}, which leads {self.what} without it", False
         if msg.get("exclude") != mine["exclude"]:
             return (f"the ranks disagree: rank {r} called shrink(exclude={msg.get('exclude')}), "
-                    f"rank {self.roster.rank} called shrink(exclude={mine['exclude']})")
-        return ""
+                    f"rank {self.roster.rank} called shrink(exclude={mine['exclude']})"), True
+        return "", False
 
     def _drop_departed(self) -> None:
         """Forget joined ranks whose connection closed: one that gave up (a JOIN left in our
