@@ -273,6 +273,8 @@ def _loop_until_error(comm, seed):
 
 def _shrink_after_failure(comm):
     old = _COMMS.get("current", comm)
+    with pytest.raises(ringcomm.CommunicatorClosed, match="unusable after an earlier error"):
+        old.split(0)  # a broken communicator refuses every call but shrink and close
     t0 = time.monotonic()
     new = old.shrink()
     elapsed = time.monotonic() - t0
