@@ -18,12 +18,14 @@ from .schedule import p2p
 class Communicator:
     """A group of ranks that run collectives together. Make one with ringcomm.init()."""
 
-    def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix):
+    def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix,
+                 roster=None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.timeout = timeout
         self._prefix = prefix
         self._store, self._links, self._executor = store, links, executor
         self._owns_store = owns_store
+        self._roster = roster  # every rank's meeting address, for shrink (ringcomm/roster.py)
         self._seq = 0          # every call, for messages
         self._ordinal = 0      # collectives only (all ranks call them), for RINGCOMM_DEBUG=check
         self._broken: str | None = None
@@ -121,6 +123,20 @@ class Communicator:
         self._check_rank(peer, "peer", not_me=True)
         return self._links.transport_for(peer)
 
+    # ---- sub-communicators (ringcomm/subcomm.py) ------------------------------------------------
+
+    def split(self, color, key=0):
+        """Collective: the ranks passing the same ``color`` (an int >= 0) form a new Communicator,
+        ranked by (key, rank); ``color=None`` takes part and returns None."""
+        from .subcomm import split
+        return split(self, color, key)
+
+    def shrink(self, exclude=None):
+        """A new Communicator of the live ranks less ``exclude`` (which do not call it), in the old
+        order; allowed on a communicator a failure broke, even after rank 0 died."""
+        from .subcomm import shrink
+        return shrink(self, exclude)
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def abort(self):
@@ -140,6 +156,8 @@ class Communicator:
         self._closed = True
         self._scratch.clear()
         self._links.close()
+        if self._roster is not None:
+            self._roster.close()
         if self._device is not None:
             self._device.close()
         if self.world_size > 1:
