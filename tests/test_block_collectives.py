@@ -252,3 +252,18 @@ def test_programs_for_gather_and_all_to_all():
         Program("all_to_all", 3, 9).chunk(1, 2)
     with pytest.raises(ValueError, match="nchunks must be 9"):
         Program("all_to_all", 3, 3)
+
+
+def test_verify_sees_the_memory_a_block_chunk_lands_in():
+    """Under FROM, chunks s * n + 0 .. s * n + n-1 all land in output block s: a rank keeping a
+    block bound elsewhere overwrites its own. Found by tests/test_verify_soundness.py's mutants."""
+    import dataclasses
+    from ringcomm.schedule.step import copy_send
+    from ringcomm.schedule.verify import verify_schedules
+    scheds = catalogue.schedules("all_to_all", "bruck", 3)
+    assert str(scheds[0].steps[1]) == "send(1, to=[1])"
+    steps = list(scheds[0].steps)
+    steps[1] = copy_send(1, 1)  # rank 0 also keeps its block for rank 1: over block 0, its own
+    scheds[0] = dataclasses.replace(scheds[0], steps=tuple(steps))
+    rep = verify_schedules("all_to_all", scheds, 10)
+    assert not rep.ok and "rank 0 output chunk 0" in rep.summary(), rep.summary()
