@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 
@@ -12,11 +13,17 @@ from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
+from .group import Group
 from .ops import SUM, as_op
 from .schedule import p2p
+from .work import Progress, asyncable
 
 class Communicator:
-    """A group of ranks that run collectives together. Make one with ringcomm.init()."""
+    """A group of ranks that run collectives together. Make one with ringcomm.init().
+
+    Every public call that moves data is decorated with ``@asyncable``: it takes ``async_op=True``
+    and then returns a ringcomm.work.Work; all calls run in issue order (ringcomm/work.py).
+    """
 
     def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
@@ -35,9 +42,11 @@ class Communicator:
         self._check = check.enabled()
         self._auto: dict = {}  # (collective, size band) -> the algorithm automatic choice picked
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
+        self._progress = Progress(rank, self._execute_now, self.abort)  # where calls run, in order
 
     # ---- collectives -------------------------------------------------------------------------
 
+    @asyncable
     def all_reduce(self, buf, op=SUM, *, out=None, algo=None):
         """Reduce ``buf`` over all ranks; the result lands in ``out`` (default: ``buf`` itself)."""
         op = as_op(op)
@@ -46,6 +55,7 @@ class Communicator:
         self._run("all_reduce", algo, x, y, x.size, op, None, x.nbytes)
         return buf if out is None else out
 
+    @asyncable
     def all_gather(self, buf, out, *, algo=None):
         """``out`` gets world_size blocks of buf.size elements; rank r's buf at block r."""
         x = host_array(buf, "all_gather buf", writable=False)
@@ -53,6 +63,7 @@ class Communicator:
         self._run("all_gather", algo, x, y, x.size, "sum", None, y.nbytes)
         return out
 
+    @asyncable
     def reduce_scatter(self, buf, out, op=SUM, *, algo=None):
         """``buf`` holds world_size blocks of out.size; rank r gets block r reduced over all ranks."""
         op = as_op(op)
@@ -63,6 +74,7 @@ class Communicator:
         self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
         return out
 
+    @asyncable
     def broadcast(self, buf, root=0, *, algo=None):
         """Every rank's ``buf`` gets root's."""
         self._check_rank(root, "broadcast root")
@@ -70,6 +82,7 @@ class Communicator:
         self._run("broadcast", algo, x, x, x.size, "sum", root, x.nbytes)
         return buf
 
+    @asyncable
     def reduce(self, buf, root=0, op=SUM, *, out=None, algo=None):
         """Like all_reduce, but only ``root`` gets the result (in ``out``, default ``buf``)."""
         op = as_op(op)
@@ -79,12 +92,14 @@ class Communicator:
         self._run("reduce", algo, x, y, x.size, op, root, x.nbytes)
         return buf if out is None else out
 
+    @asyncable
     def send(self, buf, peer):
         """Send ``buf`` to ``peer``, which must call recv with a buffer of the same size and dtype."""
         self._check_rank(peer, "send peer", not_me=True)
         x = host_array(buf, "send buf", writable=False)
         self._p2p("send", p2p.p2p_send(self.rank, self.world_size, peer), x, x)
 
+    @asyncable
     def recv(self, buf, peer):
         """Receive into ``buf`` what ``peer`` sends."""
         self._check_rank(peer, "recv peer", not_me=True)
@@ -92,12 +107,19 @@ class Communicator:
         self._p2p("recv", p2p.p2p_recv(self.rank, self.world_size, peer), x, x)
         return buf
 
+    @asyncable
     def barrier(self):
         """Return once every rank has entered the barrier (a dissemination barrier)."""
         token = np.zeros(1, np.uint8)
         seq = self._next_seq()
         self._fingerprint("barrier", "dissemination", token, token.size, "sum", None, seq)
         self._execute(p2p.barrier(self.rank, self.world_size), Call("barrier", seq, token, token, 1))
+
+    def group(self) -> Group:
+        """``with comm.group(): ...``: the calls issued inside start together and all complete
+        when the block exits, so any matching set of sends, receives and collectives works
+        whatever its order and message sizes (ringcomm/group.py)."""
+        return Group(self)
 
     def transport_to(self, peer) -> str:
         """The transport that joins this rank to ``peer`` for host buffers: "shm" on this host,
@@ -117,11 +139,13 @@ class Communicator:
                 self._broken = "comm.abort() was called"
             if not self._in_flight:
                 self._links.close()
+        self._progress.fail_queued("comm.abort() was called")
 
     def close(self):
         """Release connections, segments and (on the rank that hosts it) the store."""
         if self._closed:
             return
+        self._progress.close(self.timeout)  # queued calls finish first, within the timeout
         self._closed = True
         self._links.close()
         if self._device is not None:
@@ -166,24 +190,34 @@ class Communicator:
         if not self._check or self.world_size == 1:
             return
         mine = check.fingerprint(collective, x.dtype, op, algo, root, m, self._ordinal)
+        self._progress.later(functools.partial(self._compare_fingerprints, collective, mine, seq))
+
+    def _compare_fingerprints(self, collective, mine, seq):
         every = np.empty(mine.size * self.world_size, np.uint8)
         gather = build_schedule("all_gather", "ring", self.rank, self.world_size, None)
-        self._execute(gather, Call(f"{collective} (fingerprint)", seq, mine, every, mine.size))
+        self._execute_now(gather, Call(f"{collective} (fingerprint)", seq, mine, every, mine.size))
         check.compare(self.rank, every, self.world_size)
 
     def _p2p(self, name, sched, x, y):
         self._execute(sched, Call(name, self._next_seq(), x, y, x.size))
 
     def _execute(self, sched, call):
+        """Every call's data movement starts here: now, on this thread; or queued (async_op=True);
+        or with its group (comm.group()). ringcomm/work.py decides."""
+        self._progress.execute(sched, call)
+
+    def _execute_now(self, sched, call):
+        engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
+        self._guarded(engine.run, sched, call)
+
+    def _guarded(self, run, *args):
+        """``run(*args)``, refused on a broken communicator; a failure breaks it."""
         with self._lock:
             if self._broken is not None:  # abort() may have come after _next_seq
                 raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
             self._in_flight = True
         try:
-            if isinstance(call.inp, np.ndarray):
-                self._executor.run(sched, call)
-            else:
-                self._device_path().run(sched, call)
+            run(*args)
         except RingcommError as e:
             # A failed collective leaves peers and FIFOs in an unknown state: refuse later
             # calls, and close the links so the peers waiting on this rank learn it now.

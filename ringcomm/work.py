@@ -1,0 +1,336 @@
+"""Work and the progress thread: where every call of a communicator runs, in the order it was issued.
+
+A communicator's calls behave like work on one CUDA stream: blocking or not, they run one at a
+time in issue order, so every rank meets its peers in the same order. Three ways in:
+
+- a blocking call issued while nothing is queued or running runs inline, on the caller's thread:
+  no hand-off, so a small collective costs what it did before there was a progress thread (a
+  wake-up across cores costs ~100 us here, more than the collective);
+- ``async_op=True`` checks the arguments on the caller's thread (TypeError / ValueError at once,
+  before any byte moves), queues what the call would run and returns a ``Work``; a blocking call
+  issued behind queued work queues too and waits for its own Work;
+- ``Progress.submit(name, fn)`` queues any function (the torch backend's calls).
+
+One thread, started at the first queued call, runs the queue. Whoever runs calls -- that thread
+or an inline caller -- holds ``_token``; a thread holding it that calls the communicator again
+(a torch call running on the progress thread) runs that call inline: it is next in order by
+construction. How a public method opts in: decorate it with ``@asyncable``; its body validates
+and ends in ``comm._execute(sched, call)`` (and ``Progress.later(fn)`` for other deferred work),
+which this module runs now, queues, or hands to an open ``comm.group()`` (ringcomm/group.py).
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+
+import numpy as np
+
+from .errors import CommunicatorClosed, RingcommError
+
+POLL_S = 0.5        # Work.wait() wakes at once when its call ends; between, it checks the thread is alive
+CLOSE_GRACE = 5.0   # after an abort, how long close() waits for the call in flight to notice it
+
+
+class Work:
+    """The handle of a call made with ``async_op=True``. The call's buffers belong to the
+    communicator until wait() returns True: do not read or write them before."""
+
+    def __init__(self, rank: int, name: str, progress: "Progress | None" = None):
+        self.rank, self.name, self.seq = rank, name, None
+        self._progress = progress
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list = []
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the call has completed; its error, raised again, if it failed; False if
+        ``timeout`` seconds passed first (the call goes on). Without a timeout the call's own
+        waits (each bounded by the communicator's timeout) bound this one."""
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float, np.integer, np.floating)):
+                raise TypeError(f"Work.wait timeout must be a number of seconds or None, got {timeout!r}")
+            if not timeout >= 0:
+                raise ValueError(f"Work.wait timeout must be >= 0, got {timeout!r}")
+            if not self._done.wait(float(timeout)):
+                return False
+        while not self._done.wait(POLL_S):
+            if self._progress is not None and not self._progress.alive():
+                raise RingcommError(f"rank {self.rank} (this process): {self} can never finish: the "
+                                    f"communicator's progress thread has stopped")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The call's error once it failed; None while it runs or after it succeeded."""
+        return self._error if self._done.is_set() else None
+
+    def add_done_callback(self, fn) -> None:
+        """``fn(work)`` once the call ends (at once if it has): on the thread that ran the call."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            try:
+                fn(self)
+            except Exception:  # noqa: BLE001 - a failing callback must not stop later calls
+                traceback.print_exc()
+
+    def __repr__(self):
+        state = "running" if not self._done.is_set() else "failed" if self._error else "completed"
+        return f"<ringcomm.Work {self}: {state}>"
+
+    def __str__(self):
+        return self.name if self.seq is None else f"{self.name} #{self.seq}"
+
+
+class _Capture:
+    """What an async call leaves to run later: its steps, in order."""
+
+    def __init__(self):
+        self.steps: list = []
+        self.seq = None
+
+    def execute(self, run_now, sched, call) -> None:
+        self.seq = call.seq if self.seq is None else self.seq
+        self.steps.append(functools.partial(run_now, sched, call))
+
+    def later(self, fn) -> None:
+        self.steps.append(fn)
+
+    def __call__(self) -> None:
+        for step in self.steps:
+            step()
+
+
+class _ThreadState(threading.local):
+    depth = 0        # > 0 while this thread holds the token (runs the communicator's calls)
+    capture = None   # where execute()/later() put work instead of running it: a _Capture or a Group
+
+
+class Progress:
+    """One communicator's queue of calls, its progress thread, and the inline fast path."""
+
+    def __init__(self, rank: int, run_now, on_overdue):
+        self.rank = rank
+        self._run_now = run_now        # comm._execute_now(sched, call): moves the bytes
+        self._on_overdue = on_overdue  # comm.abort: what close() does when queued work overruns
+        self.tls = _ThreadState()
+        self._token = threading.Lock()  # held by whoever runs calls now: this thread or an inline caller
+        self._issue = threading.Lock()  # one capture at a time: queue order is issue order
+        self._cv = threading.Condition()  # guards _queue and _closing; wakes the thread
+        self._queue: deque = deque()
+        self._thread: threading.Thread | None = None
+        self._closing: str | None = None
+
+    # ---- issuing ----------------------------------------------------------------------------
+
+    def enter(self) -> bool:
+        """Take the right to run a blocking call inline; False when it must queue."""
+        t = self.tls
+        if t.capture is not None:
+            return False
+        if t.depth:
+            t.depth += 1
+            return True
+        if self._queue or self._closing is not None or not self._token.acquire(blocking=False):
+            return False
+        if self._queue:  # queued between the check and the acquire: it was issued first
+            self._token.release()
+            with self._cv:
+                self._cv.notify_all()
+            return False
+        t.depth = 1
+        return True
+
+    def leave(self) -> None:
+        t = self.tls
+        t.depth -= 1
+        if not t.depth:
+            self._token.release()
+            if self._queue:  # work queued while this call ran inline: the thread may go on
+                with self._cv:
+                    self._cv.notify_all()
+
+    def issue(self, method, comm, args, kwargs, async_op: bool):
+        """A call that cannot run inline: inside a group, async, or behind queued work."""
+        t = self.tls
+        if t.capture is not None:  # a group is open on this thread: it records the call
+            if async_op:
+                raise ValueError(f"{method.__name__}(async_op=True) inside comm.group(): the group's calls "
+                                 f"all complete when the block exits; issue them without async_op")
+            return method(comm, *args, **kwargs)
+        work, capture = Work(self.rank, method.__name__, self), _Capture()
+        with self._issue:
+            t.capture = capture
+            try:
+                value = method(comm, *args, **kwargs)
+            finally:
+                t.capture = None
+            work.seq = capture.seq
+            self._enqueue(work, capture)
+        if async_op:
+            return work
+        work.wait()
+        return value
+
+    def execute(self, sched, call) -> None:
+        """The one place a call's bytes start moving: now, later, or with its group."""
+        capture = self.tls.capture
+        if capture is None:
+            self._run_now(sched, call)
+        else:
+            capture.execute(self._run_now, sched, call)
+
+    def later(self, fn) -> None:
+        """Run ``fn`` where the call's data movement runs, just before it (e.g. a debug check)."""
+        capture = self.tls.capture
+        if capture is None:
+            fn()
+        else:
+            capture.later(fn)
+
+    def submit(self, name: str, fn) -> Work:
+        """Queue ``fn()`` behind every call issued so far; its Work completes when it has run."""
+        work = Work(self.rank, name, self)
+        with self._issue:
+            self._enqueue(work, fn)
+        return work
+
+    def run(self, name: str, fn) -> None:
+        """Run ``fn()`` as a blocking call: inline if nothing is queued, else in turn."""
+        if self.enter():
+            try:
+                fn()
+            finally:
+                self.leave()
+            return
+        self.submit(name, fn).wait()
+
+    def _enqueue(self, work: Work, fn) -> None:
+        with self._cv:
+            if self._closing is not None:
+                raise CommunicatorClosed(f"rank {self.rank}: {work} was issued while the communicator "
+                                         f"was {self._closing}")
+            self._queue.append((work, fn))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, daemon=True,
+                                                name=f"ringcomm-progress-rank{self.rank}")
+                self._thread.start()
+            self._cv.notify_all()
+
+    # ---- the thread ---------------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and self._closing is None:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+            with self._token:  # waits out a blocking call that runs inline on its caller's thread
+                with self._cv:
+                    item = self._queue.popleft() if self._queue else None  # abort() may have emptied it
+                if item is not None:
+                    self._run_item(*item)
+            with self._cv:
+                self._cv.notify_all()  # close() may be waiting for the queue to drain
+
+    def _run_item(self, work: Work, fn) -> None:
+        self.tls.depth = 1
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - the error belongs to the caller, via wait()
+            error = e
+        else:
+            error = None
+        finally:
+            self.tls.depth = 0
+        work._finish(error)
+
+    # ---- ending -----------------------------------------------------------------------------
+
+    def fail_queued(self, why: str) -> None:
+        """Finish every call still queued with CommunicatorClosed: none of them will run."""
+        with self._cv:
+            items = list(self._queue)
+            self._queue.clear()
+        for work, _ in items:
+            work._finish(CommunicatorClosed(f"rank {self.rank}: {work} was still queued when {why}; it never ran"))
+
+    def close(self, timeout: float) -> None:
+        """Let queued calls finish for up to ``timeout`` seconds; past that, abort the one in
+        flight and fail the rest. Then stop the thread. Never waits for ever."""
+        with self._cv:
+            self._closing = "closing"
+            self._cv.notify_all()
+            thread = self._thread
+        if self.tls.depth or thread is threading.current_thread():
+            self.fail_queued("close() was called from inside one of the communicator's calls")
+            return
+        if not self._drained(timeout):
+            self._on_overdue()
+            self.fail_queued(f"close() gave the queue {timeout:g} s to drain")
+            if not self._drained(CLOSE_GRACE):
+                sys.stderr.write(f"ringcomm: rank {self.rank}: a call was still running {CLOSE_GRACE:g} s "
+                                 f"after close() aborted it\n")
+        if thread is not None:
+            thread.join(CLOSE_GRACE)
+
+    def _drained(self, timeout: float) -> bool:
+        """Nothing queued and nobody running a call, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while True:
+                if not self._queue and self._token.acquire(blocking=False):
+                    self._token.release()
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.05))  # an inline caller does not notify: look again soon
+
+
+def asyncable(method):
+    """Give a public Communicator method ``async_op=False``: blocking, it runs inline when the
+    communicator is idle, else in turn; with ``async_op=True`` it returns a Work (see above)."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args, async_op=False, **kwargs):
+        if not isinstance(async_op, (bool, np.bool_)):
+            raise TypeError(f"{name}: async_op must be True or False, got {async_op!r}")
+        progress = self._progress
+        if not async_op and progress.enter():
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                progress.leave()
+        return progress.issue(method, self, args, kwargs, bool(async_op))
+
+    sig = inspect.signature(method)
+    extra = inspect.Parameter("async_op", inspect.Parameter.KEYWORD_ONLY, default=False)
+    call.__signature__ = sig.replace(parameters=[*sig.parameters.values(), extra])
+    return call
