@@ -8,10 +8,13 @@ another. That is why any matching set works whatever its order and message sizes
 sending to rank + 1 before receiving from rank - 1, or an all-to-all as n - 1 sends and n - 1
 receives, where calls one after another would wait for each other once a FIFO is full.
 
-Each (peer, direction) connection is one FIFO, so members that share one must use it in issue order:
-member k touches a connection only after every earlier member has finished with it. Two ranks
-therefore match several messages between the same pair in issue order, and a collective and a
-point-to-point call sharing a connection must be issued in the same order on both sides.
+Each (peer, direction) connection is one FIFO, so the members that share one take turns, in an
+order every rank derives alike whatever the interleaving in the block: first the group's
+collectives, in issue order (every rank issues its collectives in the same order), then its
+point-to-point calls, in issue order (so several messages between the same pair match in issue
+order). A member touches a connection only once every member before it has finished with it.
+Collectives never wait for point-to-point traffic, and the point-to-point calls then run together,
+so no turn waits for ever.
 
 A wait has the communicator's timeout measured from the group's last progress; the error names
 the stalled members. Any failure fails the whole group (and, as everywhere, the communicator).
@@ -70,10 +73,11 @@ class Group:
 class _Member:
     """One call of a group: its slice plan and how far it has got."""
 
-    __slots__ = ("call", "plan", "pos", "nsteps", "inp", "out", "fn", "in_place", "left")
+    __slots__ = ("call", "plan", "pos", "nsteps", "inp", "out", "fn", "in_place", "left", "p2p")
 
     def __init__(self, executor, sched, call):
         self.call, self.pos, self.nsteps = call, 0, len(sched.steps)
+        self.p2p = sched.algo == "p2p"  # send / recv: their turn on a connection comes after collectives
         self.plan = executor._plan(sched, call)
         self.inp, self.out = call.inp, call.out
         self.fn = kernels.elementwise(call.op, call.inp.dtype)
@@ -96,8 +100,8 @@ def run_group(executor, members) -> None:
         dsts |= d
     executor.links.prepare(srcs, dsts)  # every member's sends before any receive: see Transport
     pending = [_Member(executor, s, c) for s, c in members]
-    turn: dict = {}  # connection -> the members that use it, in issue order; the first has it now
-    for m in pending:
+    turn: dict = {}  # connection -> the members that use it, in turn; the first has it now
+    for m in sorted(pending, key=lambda m: m.p2p):  # stable: issue order within each kind
         for conn in m.left:
             turn.setdefault(conn, []).append(m)
     with np.errstate(all="ignore"):
