@@ -204,20 +204,23 @@ class Communicator:
     def _execute(self, sched, call):
         """Every call's data movement starts here: now, on this thread; or queued (async_op=True);
         or with its group (comm.group()). ringcomm/work.py decides."""
-        self._progress.execute(sched, call)
+        if self._progress.capturing:
+            self._progress.execute(sched, call)
+        else:
+            self._execute_now(sched, call)
 
     def _execute_now(self, sched, call):
         engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
         self._guarded(engine.run, sched, call)
 
-    def _guarded(self, run, *args):
-        """``run(*args)``, refused on a broken communicator; a failure breaks it."""
+    def _guarded(self, run, a, b):
+        """``run(a, b)``, refused on a broken communicator; a failure breaks it."""
         with self._lock:
             if self._broken is not None:  # abort() may have come after _next_seq
                 raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
             self._in_flight = True
         try:
-            run(*args)
+            run(a, b)
         except RingcommError as e:
             # A failed collective leaves peers and FIFOs in an unknown state: refuse later
             # calls, and close the links so the peers waiting on this rank learn it now.

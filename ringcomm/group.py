@@ -39,15 +39,15 @@ class Group:
         self._outer = None
 
     def __enter__(self):
-        tls = self.comm._progress.tls
-        self._outer = tls.capture
+        progress = self.comm._progress
+        self._outer = progress.capture()
         if self._outer is not None:  # nested: record into the outermost group
             self.members, self.pre = self._outer.members, self._outer.pre
-        tls.capture = self
+        progress.set_capture(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
-        self.comm._progress.tls.capture = self._outer
+        self.comm._progress.set_capture(self._outer)
         if exc_type is not None or self._outer is not None:
             return False  # an error inside the block discards the group: nothing has moved
         if self.members or self.pre:

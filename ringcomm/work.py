@@ -12,11 +12,11 @@ time in issue order, so every rank meets its peers in the same order. Three ways
 - ``Progress.submit(name, fn)`` queues any function (the torch backend's calls).
 
 One thread, started at the first queued call, runs the queue. Whoever runs calls -- that thread
-or an inline caller -- holds ``_token``; a thread holding it that calls the communicator again
-(a torch call running on the progress thread) runs that call inline: it is next in order by
-construction. How a public method opts in: decorate it with ``@asyncable``; its body validates
-and ends in ``comm._execute(sched, call)`` (and ``Progress.later(fn)`` for other deferred work),
-which this module runs now, queues, or hands to an open ``comm.group()`` (ringcomm/group.py).
+or an inline caller -- holds ``token``; calls the thread makes while it runs one (a torch call, a
+Work's callback) run inline: they are next in order by construction. How a public method opts in:
+decorate it with ``@asyncable``; its body validates and ends in ``comm._execute(sched, call)``
+(and ``Progress.later(fn)`` for other deferred work), which this module runs now, queues, or
+hands to an open ``comm.group()`` (ringcomm/group.py).
 """
 from __future__ import annotations
 
@@ -122,11 +122,6 @@ class _Capture:
             step()
 
 
-class _ThreadState(threading.local):
-    depth = 0        # > 0 while this thread holds the token (runs the communicator's calls)
-    capture = None   # where execute()/later() put work instead of running it: a _Capture or a Group
-
-
 class Progress:
     """One communicator's queue of calls, its progress thread, and the inline fast path."""
 
@@ -134,58 +129,55 @@ class Progress:
         self.rank = rank
         self._run_now = run_now        # comm._execute_now(sched, call): moves the bytes
         self._on_overdue = on_overdue  # comm.abort: what close() does when queued work overruns
-        self.tls = _ThreadState()
-        self._token = threading.Lock()  # held by whoever runs calls now: this thread or an inline caller
+        self.token = threading.Lock()  # held by whoever runs calls now: the thread or an inline caller
         self._issue = threading.Lock()  # one capture at a time: queue order is issue order
-        self._cv = threading.Condition()  # guards _queue and _closing; wakes the thread
+        self._cv = threading.Condition()  # guards _queue, _captures, _closing, idle; wakes the thread
         self._queue: deque = deque()
-        self._thread: threading.Thread | None = None
+        self._captures: dict = {}  # thread id -> its open capture (_Capture or Group)
+        self.capturing = False     # _captures is not empty: execute() must look
         self._closing: str | None = None
+        # The fast path's one test: nothing queued, no capture open, not closing. Read without
+        # the lock, so the fast path re-reads it once it holds the token.
+        self.idle = True
+        self._thread: threading.Thread | None = None
+        self._ident = None  # the progress thread's id: calls it makes while running one go inline
+
+    def _update(self) -> None:  # with _cv held
+        self.capturing = bool(self._captures)
+        self.idle = not self._queue and not self.capturing and self._closing is None
 
     # ---- issuing ----------------------------------------------------------------------------
 
-    def enter(self) -> bool:
-        """Take the right to run a blocking call inline; False when it must queue."""
-        t = self.tls
-        if t.capture is not None:
-            return False
-        if t.depth:
-            t.depth += 1
-            return True
-        if self._queue or self._closing is not None or not self._token.acquire(blocking=False):
-            return False
-        if self._queue:  # queued between the check and the acquire: it was issued first
-            self._token.release()
-            with self._cv:
-                self._cv.notify_all()
-            return False
-        t.depth = 1
-        return True
+    def capture(self):
+        """The capture open on this thread (a Group, while a group block runs), or None."""
+        return self._captures.get(threading.get_ident()) if self._captures else None
 
-    def leave(self) -> None:
-        t = self.tls
-        t.depth -= 1
-        if not t.depth:
-            self._token.release()
-            if self._queue:  # work queued while this call ran inline: the thread may go on
-                with self._cv:
-                    self._cv.notify_all()
+    def set_capture(self, capture) -> None:
+        with self._cv:
+            if capture is None:
+                self._captures.pop(threading.get_ident(), None)
+            else:
+                self._captures[threading.get_ident()] = capture
+            self._update()
 
     def issue(self, method, comm, args, kwargs, async_op: bool):
-        """A call that cannot run inline: inside a group, async, or behind queued work."""
-        t = self.tls
-        if t.capture is not None:  # a group is open on this thread: it records the call
+        """A call that cannot take the fast path: inside a group, async, behind queued work, or
+        made by the progress thread itself."""
+        capture = self.capture()
+        if capture is not None:  # a group is open on this thread: it records the call
             if async_op:
                 raise ValueError(f"{method.__name__}(async_op=True) inside comm.group(): the group's calls "
                                  f"all complete when the block exits; issue them without async_op")
             return method(comm, *args, **kwargs)
+        if not async_op and threading.get_ident() == self._ident:
+            return method(comm, *args, **kwargs)  # the thread runs a call (a torch call): this is its part
         work, capture = Work(self.rank, method.__name__, self), _Capture()
         with self._issue:
-            t.capture = capture
+            self.set_capture(capture)
             try:
                 value = method(comm, *args, **kwargs)
             finally:
-                t.capture = None
+                self.set_capture(None)
             work.seq = capture.seq
             self._enqueue(work, capture)
         if async_op:
@@ -195,15 +187,16 @@ class Progress:
 
     def execute(self, sched, call) -> None:
         """The one place a call's bytes start moving: now, later, or with its group."""
-        capture = self.tls.capture
-        if capture is None:
-            self._run_now(sched, call)
-        else:
-            capture.execute(self._run_now, sched, call)
+        if self._captures:
+            capture = self._captures.get(threading.get_ident())
+            if capture is not None:
+                capture.execute(self._run_now, sched, call)
+                return
+        self._run_now(sched, call)
 
     def later(self, fn) -> None:
         """Run ``fn`` where the call's data movement runs, just before it (e.g. a debug check)."""
-        capture = self.tls.capture
+        capture = self.capture()
         if capture is None:
             fn()
         else:
@@ -218,12 +211,14 @@ class Progress:
 
     def run(self, name: str, fn) -> None:
         """Run ``fn()`` as a blocking call: inline if nothing is queued, else in turn."""
-        if self.enter():
+        if threading.get_ident() == self._ident:
+            return fn()
+        if self.idle and self.token.acquire(blocking=False):
             try:
-                fn()
+                if self.idle:
+                    return fn()
             finally:
-                self.leave()
-            return
+                self.token.release()
         self.submit(name, fn).wait()
 
     def _enqueue(self, work: Work, fn) -> None:
@@ -232,6 +227,7 @@ class Progress:
                 raise CommunicatorClosed(f"rank {self.rank}: {work} was issued while the communicator "
                                          f"was {self._closing}")
             self._queue.append((work, fn))
+            self._update()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, daemon=True,
                                                 name=f"ringcomm-progress-rank{self.rank}")
@@ -244,31 +240,30 @@ class Progress:
         return self._thread is not None and self._thread.is_alive()
 
     def _loop(self) -> None:
+        self._ident = threading.get_ident()
         while True:
             with self._cv:
                 while not self._queue and self._closing is None:
                     self._cv.wait()
                 if not self._queue:
                     return
-            with self._token:  # waits out a blocking call that runs inline on its caller's thread
+            with self.token:  # waits out a blocking call that runs inline on its caller's thread
                 with self._cv:
                     item = self._queue.popleft() if self._queue else None  # abort() may have emptied it
+                    self._update()
                 if item is not None:
                     self._run_item(*item)
             with self._cv:
                 self._cv.notify_all()  # close() may be waiting for the queue to drain
 
     def _run_item(self, work: Work, fn) -> None:
-        self.tls.depth = 1
         try:
             fn()
         except BaseException as e:  # noqa: BLE001 - the error belongs to the caller, via wait()
             error = e
         else:
             error = None
-        finally:
-            self.tls.depth = 0
-        work._finish(error)
+        work._finish(error)  # callbacks run here, holding the token: their calls run inline
 
     # ---- ending -----------------------------------------------------------------------------
 
@@ -277,6 +272,7 @@ class Progress:
         with self._cv:
             items = list(self._queue)
             self._queue.clear()
+            self._update()
         for work, _ in items:
             work._finish(CommunicatorClosed(f"rank {self.rank}: {work} was still queued when {why}; it never ran"))
 
@@ -285,9 +281,10 @@ class Progress:
         flight and fail the rest. Then stop the thread. Never waits for ever."""
         with self._cv:
             self._closing = "closing"
+            self._update()
             self._cv.notify_all()
             thread = self._thread
-        if self.tls.depth or thread is threading.current_thread():
+        if thread is threading.current_thread():
             self.fail_queued("close() was called from inside one of the communicator's calls")
             return
         if not self._drained(timeout):
@@ -304,8 +301,8 @@ class Progress:
         deadline = time.monotonic() + timeout
         with self._cv:
             while True:
-                if not self._queue and self._token.acquire(blocking=False):
-                    self._token.release()
+                if not self._queue and self.token.acquire(blocking=False):
+                    self.token.release()
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -320,15 +317,17 @@ def asyncable(method):
 
     @functools.wraps(method)
     def call(self, *args, async_op=False, **kwargs):
+        p = self._progress
+        # The fast path, a few attribute reads: a blocking call on an idle communicator runs here.
+        if async_op is False and p.idle and p.token.acquire(blocking=False):
+            try:
+                if p.idle:  # still: nothing was queued or opened before we took the token
+                    return method(self, *args, **kwargs)
+            finally:
+                p.token.release()  # the progress thread, if it waits for the token, goes on
         if not isinstance(async_op, (bool, np.bool_)):
             raise TypeError(f"{name}: async_op must be True or False, got {async_op!r}")
-        progress = self._progress
-        if not async_op and progress.enter():
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                progress.leave()
-        return progress.issue(method, self, args, kwargs, bool(async_op))
+        return p.issue(method, self, args, kwargs, bool(async_op))
 
     sig = inspect.signature(method)
     extra = inspect.Parameter("async_op", inspect.Parameter.KEYWORD_ONLY, default=False)
