@@ -98,6 +98,7 @@ def run_group(executor, members) -> None:
         s, d = sched.peers()
         srcs |= s
         dsts |= d
+    executor.links.call = members[0][1]  # named in connect errors
     executor.links.prepare(srcs, dsts)  # every member's sends before any receive: see Transport
     pending = [_Member(executor, s, c) for s, c in members]
     turn: dict = {}  # connection -> the members that use it, in turn; the first has it now

@@ -59,6 +59,9 @@ class Work:
                 raise ValueError(f"Work.wait timeout must be >= 0, got {timeout!r}")
             if not self._done.wait(float(timeout)):
                 return False
+        if not self._done.is_set() and self._progress is not None and self._progress.on_thread():
+            raise RingcommError(f"rank {self.rank} (this process): {self} is queued behind the call the "
+                                f"progress thread is running now; waiting for it there would never return")
         while not self._done.wait(POLL_S):
             if self._progress is not None and not self._progress.alive():
                 raise RingcommError(f"rank {self.rank} (this process): {self} can never finish: the "
@@ -235,6 +238,10 @@ class Progress:
             self._cv.notify_all()
 
     # ---- the thread ---------------------------------------------------------------------------
+
+    def on_thread(self) -> bool:
+        """Whether the caller is the progress thread (running a call or a Work's callback)."""
+        return threading.get_ident() == self._ident
 
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
