@@ -98,6 +98,9 @@ def run_group(executor, members) -> None:
         s, d = sched.peers()
         srcs |= s
         dsts |= d
+    native = getattr(executor, "native", None)  # a compiled engine holding the shm counters
+    if native is not None:
+        native.release()  # the reference engine's slices below take the connections over
     executor.links.call = members[0][1]  # named in connect errors
     executor.links.prepare(srcs, dsts)  # every member's sends before any receive: see Transport
     pending = [_Member(executor, s, c) for s, c in members]
