@@ -209,18 +209,17 @@ class Communicator:
         else:
             self._execute_now(sched, call)
 
-    def _execute_now(self, sched, call):
-        engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
-        self._guarded(engine.run, sched, call)
-
-    def _guarded(self, run, a, b):
-        """``run(a, b)``, refused on a broken communicator; a failure breaks it."""
+    def _execute_now(self, sched, call, engine=None):
+        """Run one call (``engine``: default the host executor or the device path; a group passes
+        its own), refused on a broken communicator; a failure breaks it."""
+        if engine is None:
+            engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
         with self._lock:
             if self._broken is not None:  # abort() may have come after _next_seq
                 raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
             self._in_flight = True
         try:
-            run(a, b)
+            engine.run(sched, call)
         except RingcommError as e:
             # A failed collective leaves peers and FIFOs in an unknown state: refuse later
             # calls, and close the links so the peers waiting on this rank learn it now.
