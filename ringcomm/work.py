@@ -13,10 +13,15 @@ time in issue order, so every rank meets its peers in the same order. Three ways
 
 One thread, started at the first queued call, runs the queue. Whoever runs calls -- that thread
 or an inline caller -- holds ``token``; calls the thread makes while it runs one (a torch call, a
-Work's callback) run inline: they are next in order by construction. How a public method opts in:
-decorate it with ``@asyncable``; its body validates and ends in ``comm._execute(sched, call)``
-(and ``Progress.later(fn)`` for other deferred work), which this module runs now, queues, or
-hands to an open ``comm.group()`` (ringcomm/group.py).
+Work's callback) run inline: they are next in order by construction.
+
+How a public method opts in: decorate it with ``@asyncable``. Its body checks the arguments on
+the caller's thread, then hands each data movement to ``comm._execute(sched, call)``, which runs
+it now, queues it, or gives it to an open ``comm.group()`` (ringcomm/group.py). Work that must run
+in order with the data but is not one schedule -- RINGCOMM_DEBUG=check's comparison, a multi-pass
+call whose later passes read what earlier ones moved -- goes in ``comm._progress.later(fn)``; fn
+runs where the data moves (inside a group: before the group's members) and may call
+``comm._execute_now`` directly. Code after ``_execute`` in the body must not read what it moved.
 """
 from __future__ import annotations
 
@@ -336,7 +341,8 @@ def asyncable(method):
             raise TypeError(f"{name}: async_op must be True or False, got {async_op!r}")
         return p.issue(method, self, args, kwargs, bool(async_op))
 
-    sig = inspect.signature(method)
+    params = list(inspect.signature(method).parameters.values())
     extra = inspect.Parameter("async_op", inspect.Parameter.KEYWORD_ONLY, default=False)
-    call.__signature__ = sig.replace(parameters=[*sig.parameters.values(), extra])
+    at = len(params) - (params[-1].kind == inspect.Parameter.VAR_KEYWORD)  # before a **kwargs
+    call.__signature__ = inspect.signature(method).replace(parameters=params[:at] + [extra] + params[at:])
     return call

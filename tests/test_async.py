@@ -32,6 +32,9 @@ def comm():
 
 def test_work_of_one_rank_and_argument_errors(comm):
     x = np.arange(5, dtype=np.float32)
+    comm.all_reduce(x)
+    comm.barrier()
+    assert not comm._progress.alive()  # blocking calls on an idle communicator run inline: no thread yet
     w = comm.all_reduce(x, async_op=True)
     assert w.wait(timeout=10) is True and w.is_completed() and w.exception() is None
     with pytest.raises(TypeError, match="async_op"):
