@@ -35,8 +35,7 @@ class Communicator:
         self._ordinal = 0      # collectives only (all ranks call them), for RINGCOMM_DEBUG=check
         self._broken: str | None = None
         self._closed = False
-        self._lock = threading.Lock()  # guards _in_flight against abort() from another thread
-        self._in_flight = False
+        self._lock = threading.Lock()  # one first writer of _broken: abort() or a failing call
         # Knobs read once: a collective must not pay for os.environ lookups.
         self._forced_algo = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
         self._check = check.enabled()
@@ -137,8 +136,14 @@ class Communicator:
         with self._lock:
             if self._broken is None:
                 self._broken = "comm.abort() was called"
-            if not self._in_flight:
+        # Every call runs holding the progress token (ringcomm/work.py). Free: close the links now,
+        # so the peers learn at once. Held: the running call meets the abort in its waits, or at
+        # its next _execute_now, and closes them itself -- never under a running executor.
+        if self._progress.token.acquire(False):
+            try:
                 self._links.close()
+            finally:
+                self._progress.token.release()
         self._progress.fail_queued("comm.abort() was called")
 
     def close(self):
@@ -211,13 +216,14 @@ class Communicator:
 
     def _execute_now(self, sched, call, engine=None):
         """Run one call (``engine``: default the host executor or the device path; a group passes
-        its own), refused on a broken communicator; a failure breaks it."""
+        its own), refused on a broken communicator; a failure breaks it. The caller holds the
+        progress token (every call does: ringcomm/work.py), so abort() cannot close the links
+        under it."""
         if engine is None:
             engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
-        with self._lock:
-            if self._broken is not None:  # abort() may have come after _next_seq
-                raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
-            self._in_flight = True
+        if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
+            self._links.close()
+            raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
         try:
             engine.run(sched, call)
         except RingcommError as e:
@@ -231,8 +237,6 @@ class Communicator:
                 # so a program that catches the error loses no time).
                 atexit.register(self._executor.watchdog.linger)
             raise
-        finally:
-            self._in_flight = False
 
     def _device_path(self):
         if self._device is None:

@@ -330,13 +330,15 @@ def asyncable(method):
     @functools.wraps(method)
     def call(self, *args, async_op=False, **kwargs):
         p = self._progress
-        # The fast path, a few attribute reads: a blocking call on an idle communicator runs here.
-        if async_op is False and p.idle and p.token.acquire(blocking=False):
-            try:
-                if p.idle:  # still: nothing was queued or opened before we took the token
+        # The fast path: a blocking call on an idle communicator runs here, on the caller's thread.
+        # Holding the token, nothing can be dequeued; idle says nothing is queued or recording.
+        if async_op is False and p.token.acquire(False):
+            if p.idle:
+                try:
                     return method(self, *args, **kwargs)
-            finally:
-                p.token.release()  # the progress thread, if it waits for the token, goes on
+                finally:
+                    p.token.release()  # the progress thread, if it waits for the token, goes on
+            p.token.release()
         if not isinstance(async_op, (bool, np.bool_)):
             raise TypeError(f"{name}: async_op must be True or False, got {async_op!r}")
         return p.issue(method, self, args, kwargs, bool(async_op))
