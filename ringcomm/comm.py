@@ -16,13 +16,13 @@ from .executor import Call, Executor
 from .group import Group
 from .ops import SUM, as_op
 from .schedule import p2p
-from .work import Progress, asyncable
+from .progress import Progress, asyncable
 
 class Communicator:
     """A group of ranks that run collectives together. Make one with ringcomm.init().
 
     Every public call that moves data is decorated with ``@asyncable``: it takes ``async_op=True``
-    and then returns a ringcomm.work.Work; all calls run in issue order (ringcomm/work.py).
+    and then returns a ringcomm.work.Work; all calls run in issue order (ringcomm/progress.py).
     """
 
     def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix):
@@ -136,7 +136,7 @@ class Communicator:
         with self._lock:
             if self._broken is None:
                 self._broken = "comm.abort() was called"
-        # Every call runs holding the progress token (ringcomm/work.py). Free: close the links now,
+        # Every call runs holding the progress token (ringcomm/progress.py). Free: close the links now,
         # so the peers learn at once. Held: the running call meets the abort in its waits, or at
         # its next _execute_now, and closes them itself -- never under a running executor.
         if self._progress.token.acquire(False):
@@ -208,7 +208,7 @@ class Communicator:
 
     def _execute(self, sched, call):
         """Every call's data movement starts here: now, on this thread; or queued (async_op=True);
-        or with its group (comm.group()). ringcomm/work.py decides."""
+        or with its group (comm.group()). ringcomm/progress.py decides."""
         if self._progress.capturing:
             self._progress.execute(sched, call)
         else:
@@ -217,7 +217,7 @@ class Communicator:
     def _execute_now(self, sched, call, engine=None):
         """Run one call (``engine``: default the host executor or the device path; a group passes
         its own), refused on a broken communicator; a failure breaks it. The caller holds the
-        progress token (every call does: ringcomm/work.py), so abort() cannot close the links
+        progress token (every call does: ringcomm/progress.py), so abort() cannot close the links
         under it."""
         if engine is None:
             engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()

@@ -7,7 +7,7 @@
 A Python ProcessGroup, as torch's own testing/_internal/distributed/multi_threaded_pg.py builds
 one. torch hands the backend its c10d Store; ringcomm rendezvous through it (TorchStore), so no
 second port is opened. Each process group owns one Communicator; its calls queue on the
-communicator's progress thread (ringcomm/work.py) in the order they are made and run one at a
+communicator's progress thread (ringcomm/progress.py) in the order they are made and run one at a
 time, and each returns a Work whose wait() and get_future() follow it. DDP's reducer calls
 allreduce from C++ and waits on the future with the GIL released, so the progress thread runs
 while backward goes on.

@@ -43,7 +43,7 @@ def check_tensor(t, what: str) -> None:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         # ringcomm's GPU path exists, but this backend does not yet carry the caller's CUDA
-        # device and current stream over to its worker thread, which that path's stream rule needs.
+        # device and current stream over to the progress thread, which that path's stream rule needs.
         raise NotImplementedError(f"{what} is on {t.device}: the ringcomm torch backend takes CPU tensors only "
                                   f"for now; move the tensor to the CPU, or give CUDA tensors a group of "
                                   f"their own (dist.new_group(backend='nccl'))")
@@ -113,7 +113,7 @@ class TorchStore(Store):
 
 class Work(dist.Work):
     """One queued call of the process group, run by its communicator's progress thread
-    (ringcomm/work.py) in call order. wait() returns once it ran (or raises its error);
+    (ringcomm/progress.py) in call order. wait() returns once it ran (or raises its error);
     get_future() completes at the same moment, holding the call's output tensors."""
 
     def __init__(self, inner: ringcomm.work.Work, outputs: list):
