@@ -66,6 +66,25 @@ def test_group_of_one_rank_refuses_async_and_discards_on_error(comm):
     assert (y == 1).all()
 
 
+def test_callbacks_run_in_order_and_cannot_wait_for_later_calls(comm):
+    gate = threading.Event()
+    comm._progress.submit("gate", lambda: gate.wait(30))  # holds the queue until the callback is in place
+    x = np.ones(3)
+    w1, w2 = comm.all_reduce(x, async_op=True), comm.all_reduce(x, async_op=True)
+    seen = []
+
+    def on_w1(w):
+        seen.append((w is w1, w2.is_completed()))
+        try:
+            w2.wait()
+        except RingcommError as e:
+            seen.append(str(e))
+    w1.add_done_callback(on_w1)
+    gate.set()
+    assert w2.wait(timeout=30)
+    assert seen[0] == (True, False) and "would never return" in seen[1]
+
+
 # ---- several ranks: order, groups ---------------------------------------------------------------
 
 def _ordered(comm):
