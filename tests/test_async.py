@@ -36,6 +36,7 @@ def test_work_of_one_rank_and_argument_errors(comm):
     comm.barrier()
     assert not comm._progress.alive()  # blocking calls on an idle communicator run inline: no thread yet
     w = comm.all_reduce(x, async_op=True)
+    assert isinstance(w, ringcomm.Work)
     assert w.wait(timeout=10) is True and w.is_completed() and w.exception() is None
     with pytest.raises(TypeError, match="async_op"):
         comm.all_reduce(x, async_op="yes")
