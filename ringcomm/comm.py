@@ -22,7 +22,7 @@ class Communicator:
     """A group of ranks that run collectives together. Make one with ringcomm.init().
 
     Every public call that moves data is decorated with ``@asyncable``: it takes ``async_op=True``
-    and then returns a ringcomm.work.Work; all calls run in issue order (ringcomm/progress.py).
+    and then returns a ringcomm.Work; all calls run in issue order (ringcomm/progress.py).
     """
 
     def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix):
