@@ -147,6 +147,20 @@ def _mixed(comm):
     assert (x == n * n * (n + 1) / 2).all()
 
 
+def _reproducible(comm):
+    """reproducible=True (passes that read each other's results) queued and grouped: the same bits."""
+    n, r = comm.world_size, comm.rank
+    x = np.random.default_rng(r).standard_normal(1001)
+    want = comm.all_reduce(x.copy(), reproducible=True)
+    y, z, t = x.copy(), x.copy(), np.empty(5)
+    w = comm.all_reduce(y, reproducible=True, async_op=True)
+    with comm.group():
+        comm.send(np.full(5, r, np.float64), (r + 1) % n)
+        comm.all_reduce(z, reproducible=True)
+        comm.recv(t, (r - 1) % n)
+    assert w.wait() and y.tobytes() == want.tobytes() == z.tobytes() and (t == (r - 1) % n).all()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -155,7 +169,7 @@ def test_order_and_groups(n, transport):
     if (n, transport) == (3, "tcp"):
         env["RINGCOMM_DEBUG"] = "check"  # the fingerprints of grouped and queued collectives too
     with World(n, env=env) as w:
-        for fn in (_ordered, _ring_shift, _all_to_all, _mixed):
+        for fn in (_ordered, _ring_shift, _all_to_all, _mixed, _reproducible):
             w.run(fn, timeout=120)
 
 
