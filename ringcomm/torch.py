@@ -6,10 +6,11 @@
 
 A Python ProcessGroup, as torch's own testing/_internal/distributed/multi_threaded_pg.py builds
 one. torch hands the backend its c10d Store; ringcomm rendezvous through it (TorchStore), so no
-second port is opened. Each process group owns one Communicator and one worker thread: calls
-queue in the order they are made and run one at a time, and each returns a Work whose wait() and
-get_future() follow it. DDP's reducer calls allreduce from C++ and waits on the future with the
-GIL released, so the worker runs while backward goes on.
+second port is opened. Each process group owns one Communicator; its calls queue on the
+communicator's progress thread (ringcomm/progress.py) in the order they are made and run one at a
+time, and each returns a Work whose wait() and get_future() follow it. DDP's reducer calls
+allreduce from C++ and waits on the future with the GIL released, so the progress thread runs
+while backward goes on.
 
 Reproducible sums: with RINGCOMM_REPRODUCIBLE=1 in the environment when a group is made (or
 ``ProcessGroupRingcomm.reproducible = True`` later), every float SUM / AVG the group reduces --
@@ -38,7 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 import ringcomm
 
-from .torch_support import TorchStore, Work, Worker, check_tensor, host_view, ring_op, same_kind
+from .torch_support import TorchStore, Work, check_tensor, host_view, ring_op, same_kind
 
 BACKEND = "ringcomm"
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # groups still open, closed at exit
@@ -64,8 +65,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def __init__(self, comm: ringcomm.Communicator):
         super().__init__(comm.rank, comm.world_size)
         self.comm = comm
-        self._worker = Worker(comm.rank)
-        self._seq = 0
         self.reproducible = reproducible_from_env()
         _LIVE.add(self)
 
@@ -81,8 +80,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return {"reproducible": True} if on else {}
 
     def _submit(self, name: str, outputs: list, fn) -> Work:
-        self._seq += 1
-        return self._worker.submit(Work(self._worker, name, self._seq, outputs), fn)
+        # fn runs on the communicator's progress thread, where its blocking ringcomm calls run inline.
+        return Work(self.comm._progress.submit(name, fn), outputs)
 
     # ---- reductions -------------------------------------------------------------------------
 
@@ -195,9 +194,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # ---- lifecycle --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Finish the queued calls, then close the Communicator (destroy_process_group calls this)."""
+        """Finish the queued calls, then close the Communicator (destroy_process_group calls this);
+        close() lets the queue drain for up to the timeout, then aborts what is left."""
         _LIVE.discard(self)
-        self._worker.stop(self.comm.timeout + 5.0)
         self.comm.close()
 
     abort = shutdown

@@ -190,6 +190,12 @@ class ShmSend(_Link, SendConnection):
             self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from")
         return self.seg.slots[self.posted % self.nslots]
 
+    def ready(self) -> bool:
+        return self.seg.words[RELEASED] > self.posted - self.nslots
+
+    def check(self) -> None:
+        self._check_peer("a free slot from")
+
     def post(self, nbytes: int) -> None:
         words = self.seg.words
         words[SIZES + self.posted % self.nslots] = nbytes
@@ -216,6 +222,12 @@ class ShmRecv(_Link, RecvConnection):
             self._wait(lambda: words[POSTED] > want, deadline, "the next slice from")
         i = want % self.nslots
         return self.seg.slots[i][: int(words[SIZES + i])]
+
+    def ready(self) -> bool:
+        return self.seg.words[POSTED] > self.released
+
+    def check(self) -> None:
+        self._check_peer("the next slice from")
 
     def release(self) -> None:
         self.released += 1
