@@ -22,6 +22,14 @@ from ringcomm.transport.base import LinkContext
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_BUFFSIZE = 4 * 1024 * 1024  # bytes of FIFO per connection, like NCCL_BUFFSIZE
 DEFAULT_NSLOTS = 8                  # like NCCL_STEPS
+DEFAULT_SLICE = 64 * 1024           # the native engine's slice: see README, "Engines"
+ENGINES = ("native", "python")
+# A rank with a core of its own keeps it while it waits: handing it to a busy process costs a
+# scheduler slice (measured: 8-byte all_reduce 18 -> 78 us with two nice-10 hogs). It polls
+# (PAUSE between polls) in the native loop for NATIVE_SPIN_S, then in Python for SPINS_ALONE
+# polls (~5 ms), and only then yields and sleeps (transport.base.Backoff).
+NATIVE_SPIN_S = 1e-3
+SPINS_ALONE = 20000
 
 _LAUNCHERS = (  # (rank, world size, local rank) variables, in order of preference
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -108,12 +116,21 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
 def _spins(world_size: int) -> int:
     """RINGCOMM_SPINS, else 0 when this host's ranks outnumber its usable cores (a spinning
     rank then holds the core the rank it waits for needs: measured on 4 ranks on 2 cores,
-    8-byte all_reduce 179 -> 124 us), else 200 (a hand-off in well under a microsecond)."""
+    8-byte all_reduce 179 -> 124 us), else SPINS_ALONE (see above)."""
     raw = os.environ.get("RINGCOMM_SPINS")
     if raw:
-        return int(env_number("RINGCOMM_SPINS", 200, int))
+        return int(env_number("RINGCOMM_SPINS", SPINS_ALONE, int))
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    return 0 if local > len(os.sched_getaffinity(0)) else 200
+    return 0 if local > len(os.sched_getaffinity(0)) else SPINS_ALONE
+
+
+def _engine() -> str:
+    """RINGCOMM_ENGINE: "native" (the default) runs calls whose links are all shm in compiled
+    code; "python" runs everything in the reference engine."""
+    name = os.environ.get("RINGCOMM_ENGINE", "").strip().lower() or "native"
+    if name not in ENGINES:
+        raise ValueError(f"RINGCOMM_ENGINE={name!r}: choose one of {', '.join(ENGINES)}")
+    return name
 
 
 def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Communicator:
@@ -131,7 +148,9 @@ def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Co
                       nslots=nslots, slot_bytes=slot_bytes, abort=threading.Event(), watchdog=watchdog,
                       spins=_spins(world_size))
     links = Links(ctx, timeout)
-    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots)
+    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots, engine=_engine(),
+                        slice_bytes=env_number("RINGCOMM_SLICE", DEFAULT_SLICE, int),
+                        spin_s=NATIVE_SPIN_S if ctx.spins else 0.0)
     executor.watchdog, watchdog.position = watchdog, executor.position
     return Communicator(rank, world_size, local_rank, store, links, executor,
                         timeout=timeout, owns_store=owns_store, prefix=ctx.prefix)

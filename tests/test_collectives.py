@@ -3,19 +3,28 @@
 World sizes {1, 2, 3, 4, 5, 8} x transports {shm, tcp}; in each world every
 collective x dtype runs once with ops, counts, algorithms, roots and in-place /
 out-of-place cycled (tests/cases.py). Small FIFO slots (RINGCOMM_BUFFSIZE) make
-even 1000 elements cross many slices and rounds.
+even 1000 elements cross many slices and rounds. Over shm every case runs on both
+engines (native and the Python reference) and their results must be the same bits.
 """
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from cases import ALGOS, COUNTS, DTYPES, OPS, run_cases, sample_cases
+from cases import ALGOS, COUNTS, DTYPES, OPS, run_cases_on_engines, sample_cases
 from harness import World
 
 SMALL_FIFO = {"RINGCOMM_BUFFSIZE": "4096", "RINGCOMM_NSLOTS": "4"}  # 1 KiB slots
 DEFAULT_FIFO: dict = {}
 WORLDS = [(n, t, "small") for t in ("shm", "tcp") for n in (1, 2, 3, 4, 5, 8)] + [(3, "shm", "default")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native_kernels_compiled():
+    """Compile the native engine's kernels once, here, into numba's disk cache, so that the ranks
+    of every world load them instead of each compiling them at their first call."""
+    from ringcomm.engine_native import warm
+    warm()
 
 
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"n{n}-{t}-{f}" for n, t, f in WORLDS])
@@ -29,7 +38,7 @@ def world(request):
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_matrix(world, seed):
     cases = sample_cases(world.n, seed=1000 * seed + world.n, big=1)
-    failures = world.run(run_cases, cases, timeout=240)
+    failures = world.run(run_cases_on_engines, cases, timeout=240)
     assert failures == [[]] * world.n, "\n".join(f for per_rank in failures for f in per_rank)
 
 

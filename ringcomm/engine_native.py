@@ -1,0 +1,260 @@
+"""The native engine: the executor's slice loop compiled by numba, for calls whose links are all shm.
+
+The reference engine (executor.py) runs a slice plan in Python: per slice, wait for the
+incoming slot, acquire the outgoing one, reduce or copy, post, release -- about 5 us of
+interpreter per slice. Here the same plan is an int64 table (one row per slice, PLAN_COLUMNS)
+and the same loop runs as machine code with the GIL released (nogil), over the shm segments'
+header words and slots by address: no Python per slice.
+
+The compiled loop never blocks for long. When a counter it needs has not moved after
+``spin`` cycles of polling (PAUSE between polls), or when ``budget`` cycles (~1 ms) have
+passed, it returns to Python with where it stopped. Python then waits the reference engine's
+way -- conn.wait / conn.acquire, with their deadline, abort(), peer liveness and watchdog, and
+the very same error messages -- and calls the loop again from that slice. Returning every
+millisecond also lets Python run signal handlers (Ctrl-C, SIGTERM's cleanup) during long calls.
+
+Same bits as the reference engine: the rows replay executor._slice's decisions (what is
+reduced into what, in which order, where AVG divides) and the reductions are
+ringcomm.kernels.native's, which are host.py's arithmetic. Kernels are compiled once per
+element type (every op is in each) and cached on disk by numba (``cache=True``): a new process
+loads them instead of compiling.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ringcomm.kernels import native as native_kernels
+from ringcomm.transport import shm
+
+from . import native_sync
+
+# A plan row: flags, offsets and the connection-table rows of the slice's peers.
+F_RECVS, F_REDUCES, F_COPIES, F_FINAL = 1, 2, 4, 8
+FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source rows, then ndst dest rows
+# The control block: what the call passes in, and (NEXT, STATUS, CONN) what the loop hands back.
+NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC = range(12)
+CTL_SIZE = 12
+DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE = range(5)
+# Connection table columns: the segment's header words, its first slot, this end's counter.
+WORDS, SLOTS, COUNT = range(3)
+
+
+def _wait_above(addr, floor, spin):
+    """Poll the int64 at addr until it exceeds floor, for at most ``spin`` cycles."""
+    if native_sync.load_acquire(addr) > floor:
+        return True
+    if spin <= 0:
+        return False
+    t0 = native_sync.cycles()
+    while True:
+        for _ in range(32):
+            native_sync.cpu_pause()
+            if native_sync.load_acquire(addr) > floor:
+                return True
+        if native_sync.cycles() - t0 > spin:
+            return False
+
+
+def _slot(conns, c, nslots, slot_bytes, like, k):
+    """The slot connection row c uses next, as an array of k elements of like's type."""
+    addr = conns[c, SLOTS] + (conns[c, COUNT] % nslots) * slot_bytes
+    return numba_carray(native_sync.typed_ptr(addr, like), k)
+
+
+def _run(plan, conns, ctl, inp_array, out):
+    # The input through a pointer of the output's type: a read-only numpy input then needs no
+    # separate compiled version, and x and the slots unify to one array type.
+    inp = numba_carray(native_sync.typed_ptr(inp_array.ctypes.data, out), inp_array.size)
+    nslots, slot_bytes, op, kind16 = ctl[NSLOTS], ctl[SLOT_BYTES], ctl[OP], ctl[KIND16]
+    spin, maxsrc = ctl[SPIN], ctl[MAXSRC]
+    t0 = native_sync.cycles()
+    i = ctl[NEXT]
+    while i < plan.shape[0]:
+        row = plan[i]
+        flags, io, oo, k, nbytes = row[FLAGS], row[IO], row[OO], row[K], row[NBYTES]
+        nsrc, ndst = row[NSRC], row[NDST]
+        # Everything this slice needs must be ready before it touches any byte: a return to
+        # Python in the middle of a slice would leave it half done.
+        for j in range(nsrc):
+            c = row[PEERS + j]
+            want = conns[c, COUNT]
+            if not _wait_above(conns[c, WORDS] + 8 * shm.POSTED, want, spin):
+                return _stop(ctl, i, BLOCKED_RECV, c)
+            size_addr = conns[c, WORDS] + 8 * (shm.SIZES + want % nslots)
+            if native_sync.load_acquire(size_addr) != nbytes:
+                return _stop(ctl, i, BAD_SIZE, c)
+        for j in range(ndst):
+            c = row[PEERS + maxsrc + j]
+            if not _wait_above(conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT] - nslots, spin):
+                return _stop(ctl, i, BLOCKED_SEND, c)
+        x = inp[io:io + k]
+        x_at_out = x.ctypes.data == out.ctypes.data + oo * out.itemsize   # in place: nothing to copy
+        if flags & F_REDUCES:
+            # executor._slice: reduce into the output if the step copies, else into the first
+            # outgoing slot; further sources fold into that value in order.
+            if flags & F_COPIES:
+                value = out[oo:oo + k]
+            else:
+                value = _slot(conns, row[PEERS + maxsrc], nslots, slot_bytes, inp, k)
+            for j in range(nsrc):               # one call site: one copy of every op's loop
+                a = x if j == 0 else value
+                native_reduce(value, a, _slot(conns, row[PEERS + j], nslots, slot_bytes, inp, k), op, kind16)
+            if flags & F_FINAL and ctl[AVG]:
+                native_avg(value, ctl[NRANKS], kind16)
+            first = 0 if flags & F_COPIES else 1   # the first slot already holds the value
+        else:
+            value = _slot(conns, row[PEERS], nslots, slot_bytes, inp, k) if flags & F_RECVS else x
+            if flags & F_COPIES and not (x_at_out and not flags & F_RECVS):
+                _copy(out[oo:oo + k], value)
+            first = 0
+        for j in range(first, ndst):
+            _copy(_slot(conns, row[PEERS + maxsrc + j], nslots, slot_bytes, inp, k), value)
+        for j in range(nsrc):                   # give the incoming slots back
+            c = row[PEERS + j]
+            conns[c, COUNT] += 1
+            native_sync.store_release(conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT])
+        for j in range(ndst):                   # size first, then the counter that publishes both
+            c = row[PEERS + maxsrc + j]
+            native_sync.store_release(conns[c, WORDS] + 8 * (shm.SIZES + conns[c, COUNT] % nslots), nbytes)
+            conns[c, COUNT] += 1
+            native_sync.store_release(conns[c, WORDS] + 8 * shm.POSTED, conns[c, COUNT])
+        i += 1
+        if native_sync.cycles() - t0 > ctl[BUDGET] and i < plan.shape[0]:
+            return _stop(ctl, i, YIELD, -1)
+    return _stop(ctl, i, DONE, -1)
+
+
+def _stop(ctl, i, status, c):
+    ctl[NEXT], ctl[STATUS], ctl[CONN] = i, status, c
+    return status
+
+
+def _copy(dst, src):
+    for i in range(dst.size):
+        dst[i] = src[i]
+
+
+numba_carray = native_reduce = native_avg = None
+_kernel = None
+
+
+def kernel():
+    """The compiled loop (numba dispatcher): one specialization per element type, cached on disk."""
+    global _kernel, numba_carray, native_reduce, native_avg
+    if _kernel is None:
+        import numba
+        native_sync.intrinsics()
+        numba_carray = numba.carray
+        native_reduce, native_avg = native_kernels.compiled()
+        jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
+        g = globals()
+        for name in ("_wait_above", "_slot", "_stop", "_copy"):
+            g[name] = jit(g[name])
+        _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
+    return _kernel
+
+
+class NativePlan:
+    """A slice plan as the compiled loop reads it, beside the reference plan's entries (for
+    waits and messages: step, peer, slice number) and the send links still to settle."""
+
+    __slots__ = ("table", "entries", "maxsrc", "unsettled")
+
+    def __init__(self, table, entries, maxsrc, unsettled):
+        self.table, self.entries, self.maxsrc, self.unsettled = table, entries, maxsrc, unsettled
+
+
+class NativeEngine:
+    """Runs an executor's plans through the compiled loop when every link of the plan is shm.
+
+    The connection table's COUNT column is the truth about the FIFO counters while this engine
+    runs calls; the connections' own attributes (ShmSend.posted, ShmRecv.released) are brought
+    up to date before Python waits on a connection and before the reference engine runs.
+    """
+
+    def __init__(self, executor, spin_s: float, budget_s: float):
+        self.x = executor
+        self.conns = np.zeros((8, 3), np.int64)
+        self.objs: list = []          # row -> connection
+        self.rows: dict = {}          # id(connection) -> row
+        self.owned = False            # COUNT is ahead of the connections' attributes
+        self.ctl = np.zeros(CTL_SIZE, np.int64)
+        hz = native_sync.cycles_per_second()
+        self.budget = int(budget_s * hz)
+        self.spin = min(int(spin_s * hz), self.budget)
+        self.kernel = kernel()
+
+    def plan(self, entries) -> NativePlan | None:
+        """The table for a reference plan's entries; None if a link is not shm."""
+        conns = {c for e in entries for _, c in e[6] + e[7]}
+        if not all(isinstance(c, (shm.ShmSend, shm.ShmRecv)) for c in conns):
+            return None
+        maxsrc = max((len(e[6]) for e in entries), default=0)
+        maxdst = max((len(e[7]) for e in entries), default=0)
+        table = np.zeros((len(entries), PEERS + maxsrc + maxdst), np.int64)
+        for n, (_, step, io, oo, k, nbytes, recvs, sends, _) in enumerate(entries):
+            flags = (F_RECVS * step.recvs | F_REDUCES * step.reduces | F_COPIES * step.copies
+                     | F_FINAL * step.final)
+            table[n, :PEERS] = flags, io, oo, k, nbytes, len(recvs), len(sends)
+            for j, (_, c) in enumerate(recvs):
+                table[n, PEERS + j] = self._row(c)
+            for j, (_, c) in enumerate(sends):
+                table[n, PEERS + maxsrc + j] = self._row(c)
+        unsettled = [c for c in conns if isinstance(c, shm.ShmSend)]
+        return NativePlan(table, entries, maxsrc, unsettled)
+
+    def _row(self, conn) -> int:
+        row = self.rows.get(id(conn))
+        if row is None:
+            row = self.rows[id(conn)] = len(self.objs)
+            self.objs.append(conn)
+            if row == len(self.conns):
+                self.conns = np.concatenate([self.conns, np.zeros_like(self.conns)])
+            self.conns[row, WORDS], self.conns[row, SLOTS] = conn.addresses()
+            self.conns[row, COUNT] = conn.count
+        return row
+
+    def release(self) -> None:
+        """Hand the counters back to the connections (the reference engine is about to run)."""
+        if self.owned:
+            for conn, count in zip(self.objs, self.conns[:len(self.objs), COUNT].tolist()):
+                conn.count = count
+            self.owned = False
+
+    def run(self, plan: NativePlan, call, kind16: int, op: int, avg: bool) -> None:
+        if not self.owned:
+            for row, conn in enumerate(self.objs):
+                self.conns[row, COUNT] = conn.count
+            self.owned = True
+        if plan.unsettled:
+            plan.unsettled = [c for c in plan.unsettled if not c.settle()]
+        ctl, x = self.ctl, self.x
+        ctl[:] = (0, 0, -1, x.nslots, x.slot_bytes, op, kind16, x.world_size, avg, self.spin, self.budget,
+                  plan.maxsrc)
+        inp, out = call.inp, call.out
+        if kind16:
+            inp, out = inp.view(np.uint16), out.view(np.uint16)
+        while self.kernel(plan.table, self.conns, ctl, inp, out) != DONE:
+            status = ctl[STATUS]
+            if status == YIELD:
+                continue
+            entry = plan.entries[ctl[NEXT]]
+            x._step = entry[0]
+            conn = self.objs[ctl[CONN]]
+            conn.count = int(self.conns[ctl[CONN], COUNT])
+            if status == BLOCKED_SEND:
+                x._acquire(conn.peer, conn, call, entry[8])
+            else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
+                x._wait(conn.peer, conn, call, entry[5], entry[8])
+
+
+def warm(dtypes=None) -> None:
+    """Compile (or load from numba's disk cache) the loop for these dtypes, default every one the
+    engine takes: what a process pays before its first call on each dtype."""
+    from ringcomm.kernels import host
+    k = kernel()
+    empty_plan, conns, ctl = np.zeros((0, PEERS), np.int64), np.zeros((1, 3), np.int64), np.zeros(CTL_SIZE, np.int64)
+    for dt in dtypes or host.SUPPORTED_DTYPES:
+        if native_kernels.supported(dt):
+            a = np.zeros(1, native_kernels.storage(dt))
+            k(empty_plan, conns, ctl, a, a)
