@@ -158,10 +158,11 @@ class NativePlan:
     """A slice plan as the compiled loop reads it, beside the reference plan's entries (for
     waits and messages: step, peer, slice number) and the send links still to settle."""
 
-    __slots__ = ("table", "entries", "maxsrc", "unsettled")
+    __slots__ = ("table", "entries", "maxsrc", "unsettled", "ctls")
 
     def __init__(self, table, entries, maxsrc, unsettled):
         self.table, self.entries, self.maxsrc, self.unsettled = table, entries, maxsrc, unsettled
+        self.ctls: dict = {}   # (dtype, op) -> the control block, or None: a dtype this engine leaves alone
 
 
 class NativeEngine:
@@ -221,19 +222,37 @@ class NativeEngine:
                 conn.count = count
             self.owned = False
 
-    def run(self, plan: NativePlan, call, kind16: int, op: int, avg: bool) -> None:
+    def _control(self, plan: NativePlan, dtype, op):
+        """The call's control block, made once per (plan, dtype, op): a repeated call only resets
+        NEXT. None where the native arithmetic would not give host.py's bits (float16 without F16C)."""
+        if not native_kernels.supported(dtype):
+            ctl = None
+        else:
+            x = self.x
+            ctl = np.array((0, 0, -1, x.nslots, x.slot_bytes, native_kernels.OPCODES[op],
+                            native_kernels.kind16(dtype), x.world_size, op == "avg", self.spin, self.budget,
+                            plan.maxsrc), np.int64)
+        plan.ctls[(dtype, op)] = ctl
+        return ctl
+
+    def run(self, plan: NativePlan, call) -> bool:
+        """Run one call; False (nothing done) if its dtype is not for this engine."""
+        inp, out = call.inp, call.out
+        ctl = plan.ctls.get((inp.dtype, call.op), False)
+        if ctl is False:
+            ctl = self._control(plan, inp.dtype, call.op)
+        if ctl is None:
+            return False
         if not self.owned:
             for row, conn in enumerate(self.objs):
                 self.conns[row, COUNT] = conn.count
             self.owned = True
         if plan.unsettled:
             plan.unsettled = [c for c in plan.unsettled if not c.settle()]
-        ctl, x = self.ctl, self.x
-        ctl[:] = (0, 0, -1, x.nslots, x.slot_bytes, op, kind16, x.world_size, avg, self.spin, self.budget,
-                  plan.maxsrc)
-        inp, out = call.inp, call.out
-        if kind16:
+        if ctl[KIND16]:
             inp, out = inp.view(np.uint16), out.view(np.uint16)
+        ctl[NEXT] = 0
+        x = self.x
         while self.kernel(plan.table, self.conns, ctl, inp, out) != DONE:
             status = ctl[STATUS]
             if status == YIELD:
@@ -246,7 +265,7 @@ class NativeEngine:
                 x._acquire(conn.peer, conn, call, entry[8])
             else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
                 x._wait(conn.peer, conn, call, entry[5], entry[8])
-
+        return True
 
 def warm(dtypes=None) -> None:
     """Compile (or load from numba's disk cache) the loop for these dtypes, default every one the

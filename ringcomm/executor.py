@@ -25,7 +25,6 @@ from typing import Callable
 import numpy as np
 
 from ringcomm.kernels import host as kernels
-from ringcomm.kernels import native as native_kernels
 from ringcomm.transport.base import Aborted, PeerGone, PeerTimeout
 
 from .errors import CollectiveTimeout, PeerFailure, RingcommError
@@ -33,11 +32,6 @@ from .schedule.step import SPLIT, Schedule, chunk_span
 
 
 NATIVE_BUDGET_S = 1e-3  # the native loop returns to Python at least this often
-_NATIVE_DTYPES: dict = {}  # dtype -> its kind16 code + 1 where the native engine takes it, else 0
-
-
-def _native_codes(dtype) -> int:
-    return native_kernels.kind16(dtype) + 1 if native_kernels.supported(dtype) else 0
 
 
 @dataclass(slots=True)
@@ -121,18 +115,8 @@ class Executor:
     def _run_native(self, sched: Schedule, call: Call) -> bool:
         """Run the call in the native engine if it can take it (all links shm, a dtype whose
         compiled arithmetic matches the host kernels); whether it did."""
-        dtype = call.inp.dtype
-        codes = _NATIVE_DTYPES.get(dtype)
-        if codes is None:
-            codes = _NATIVE_DTYPES[dtype] = _native_codes(dtype)
-        if not codes:
-            return False
         plan = self._cached_plan(sched, call, True)
-        if plan is None:
-            return False
-        op = call.op
-        self.native.run(plan, call, codes - 1, native_kernels.OPCODES[op], op == "avg")
-        return True
+        return plan is not None and self.native.run(plan, call)
 
     def _cached_plan(self, sched: Schedule, call: Call, native: bool):
         # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule

@@ -19,14 +19,6 @@ DEFAULT_FIFO: dict = {}
 WORLDS = [(n, t, "small") for t in ("shm", "tcp") for n in (1, 2, 3, 4, 5, 8)] + [(3, "shm", "default")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def native_kernels_compiled():
-    """Compile the native engine's kernels once, here, into numba's disk cache, so that the ranks
-    of every world load them instead of each compiling them at their first call."""
-    from ringcomm.engine_native import warm
-    warm()
-
-
 @pytest.fixture(scope="module", params=WORLDS, ids=[f"n{n}-{t}-{f}" for n, t, f in WORLDS])
 def world(request):
     n, transport, fifo = request.param
