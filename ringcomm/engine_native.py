@@ -21,6 +21,8 @@ loads them instead of compiling.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from ringcomm.kernels import native as native_kernels
@@ -35,6 +37,7 @@ FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source ro
 NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC = range(12)
 CTL_SIZE = 12
 DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE = range(5)
+SPIN_ROUND_S = 1e-3
 # Connection table columns: the segment's header words, its first slot, this end's counter.
 WORDS, SLOTS, COUNT = range(3)
 
@@ -182,7 +185,10 @@ class NativeEngine:
         self.ctl = np.zeros(CTL_SIZE, np.int64)
         hz = native_sync.cycles_per_second()
         self.budget = int(budget_s * hz)
-        self.spin = min(int(spin_s * hz), self.budget)
+        # A blocked wait polls in rounds of SPIN_ROUND_S, os.sched_yield() between rounds, for
+        # spin_s in all; then it is the transport's wait (deadline, abort, liveness, back-off).
+        self.spin = int(min(spin_s, SPIN_ROUND_S) * hz)
+        self.rounds = int(spin_s / SPIN_ROUND_S)
         self.kernel = kernel()
 
     def plan(self, entries) -> NativePlan | None:
@@ -252,11 +258,18 @@ class NativeEngine:
         if ctl[KIND16]:
             inp, out = inp.view(np.uint16), out.view(np.uint16)
         ctl[NEXT] = 0
-        x = self.x
+        x, rounds, where = self.x, 0, -1
         while self.kernel(plan.table, self.conns, ctl, inp, out) != DONE:
             status = ctl[STATUS]
             if status == YIELD:
                 continue
+            if status != BAD_SIZE and rounds < self.rounds:
+                if ctl[NEXT] != where:          # progress since the last round: a new wait
+                    rounds, where = 0, ctl[NEXT]
+                rounds += 1
+                os.sched_yield()
+                continue
+            rounds = 0
             entry = plan.entries[ctl[NEXT]]
             x._step = entry[0]
             conn = self.objs[ctl[CONN]]

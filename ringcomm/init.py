@@ -25,11 +25,14 @@ DEFAULT_NSLOTS = 8                  # like NCCL_STEPS
 DEFAULT_SLICE = 64 * 1024           # the native engine's slice: see README, "Engines"
 ENGINES = ("native", "python")
 # A rank with a core of its own keeps it while it waits: handing it to a busy process costs a
-# scheduler slice (measured: 8-byte all_reduce 18 -> 78 us with two nice-10 hogs). It polls
-# (PAUSE between polls) in the native loop for NATIVE_SPIN_S, then in Python for SPINS_ALONE
-# polls (~5 ms), and only then yields and sleeps (transport.base.Backoff).
-NATIVE_SPIN_S = 1e-3
-SPINS_ALONE = 20000
+# scheduler slice (measured: 8-byte all_reduce 18 -> 78 us with two nice-10 hogs). It polls,
+# PAUSE between polls, in the native loop in rounds of 1 ms with one sched_yield between them
+# (a peer the scheduler put on this same core must still get to run), NATIVE_SPIN_S in all;
+# then in Python for SPINS_ALONE polls (~0.5 ms); only then does it yield and sleep
+# (transport.base.Backoff). Yielding every ~50 us instead was measured to hand the core to the
+# hogs: 8-byte all_reduce ~1 ms.
+NATIVE_SPIN_S = 2e-3
+SPINS_ALONE = 2000
 
 _LAUNCHERS = (  # (rank, world size, local rank) variables, in order of preference
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
