@@ -153,8 +153,28 @@ def kernel():
         g = globals()
         for name in ("_wait_above", "_slot", "_stop", "_copy"):
             g[name] = jit(g[name])
+        _drop_stale_cache()
         _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
     return _kernel
+
+
+def _drop_stale_cache() -> None:
+    """numba's disk cache is keyed on this file alone, but the compiled loop also holds code from
+    kernels/native.py, kernels/host.py and native_sync.py: after an edit there, drop it."""
+    import glob
+    import pathlib
+
+    here = pathlib.Path(__file__)
+    deps = [here.with_name("native_sync.py"), pathlib.Path(native_kernels.__file__),
+            pathlib.Path(native_kernels.host.__file__)]
+    newest = max(p.stat().st_mtime for p in deps)
+    for index in glob.glob(str(here.parent / "__pycache__" / f"{here.stem}._run-*.nbi")):
+        if pathlib.Path(index).stat().st_mtime < newest:
+            for stale in glob.glob(index[:-len(".nbi")] + "*"):
+                try:
+                    pathlib.Path(stale).unlink()
+                except OSError:
+                    pass
 
 
 class NativePlan:
