@@ -97,10 +97,15 @@ class _Segment:
         self.path = "/dev/shm/" + name
         size = HDR + nslots * slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        if create:  # named before it exists: a SIGTERM right after the open still finds it
+            _NAMED.add(self.path)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError:
+            _NAMED.discard(self.path)
+            raise
         try:
             if create:
-                _NAMED.add(self.path)
                 os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         finally:
