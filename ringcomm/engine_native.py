@@ -37,7 +37,7 @@ FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source ro
 NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC = range(12)
 CTL_SIZE = 12
 DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE = range(5)
-SPIN_ROUND_S = 1e-3
+SPIN_ROUND_S = 200e-6
 # Connection table columns: the segment's header words, its first slot, this end's counter.
 WORDS, SLOTS, COUNT = range(3)
 

@@ -26,11 +26,12 @@ DEFAULT_SLICE = 64 * 1024           # the native engine's slice: see README, "En
 ENGINES = ("native", "python")
 # A rank with a core of its own keeps it while it waits: handing it to a busy process costs a
 # scheduler slice (measured: 8-byte all_reduce 18 -> 78 us with two nice-10 hogs). It polls,
-# PAUSE between polls, in the native loop in rounds of 1 ms with one sched_yield between them
-# (a peer the scheduler put on this same core must still get to run), NATIVE_SPIN_S in all;
+# PAUSE between polls, in the native loop in rounds of 200 us with one sched_yield between them
+# (a peer that the scheduler put on this same core must still get to run), NATIVE_SPIN_S in all;
 # then in Python for SPINS_ALONE polls (~0.5 ms); only then does it yield and sleep
-# (transport.base.Backoff). Yielding every ~50 us instead was measured to hand the core to the
-# hogs: 8-byte all_reduce ~1 ms.
+# (transport.base.Backoff). Measured under load: yielding every 50 us handed the core to the
+# hogs (8-byte all_reduce ~1 ms in some runs); 1 ms rounds cost ranks that the scheduler
+# stacked on one core ~1 ms per hand-off (64 KiB all_reduce 1.4 ms); 200 us rounds: 5.3 us.
 NATIVE_SPIN_S = 2e-3
 SPINS_ALONE = 2000
 
