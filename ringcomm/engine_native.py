@@ -68,14 +68,12 @@ def _run(plan, conns, ctl, inp_array, out):
     # The input through a pointer of the output's type: a read-only numpy input then needs no
     # separate compiled version, and x and the slots unify to one array type.
     inp = numba_carray(native_sync.typed_ptr(inp_array.ctypes.data, out), inp_array.size)
-    nslots, slot_bytes, op, kind16 = ctl[NSLOTS], ctl[SLOT_BYTES], ctl[OP], ctl[KIND16]
-    spin, maxsrc = ctl[SPIN], ctl[MAXSRC]
+    nslots, spin, maxsrc = ctl[NSLOTS], ctl[SPIN], ctl[MAXSRC]
     t0 = native_sync.cycles()
     i = ctl[NEXT]
     while i < plan.shape[0]:
         row = plan[i]
-        flags, io, oo, k, nbytes = row[FLAGS], row[IO], row[OO], row[K], row[NBYTES]
-        nsrc, ndst = row[NSRC], row[NDST]
+        nbytes, nsrc, ndst = row[NBYTES], row[NSRC], row[NDST]
         # Everything this slice needs must be ready before it touches any byte: a return to
         # Python in the middle of a slice would leave it half done.
         for j in range(nsrc):
@@ -83,35 +81,13 @@ def _run(plan, conns, ctl, inp_array, out):
             want = conns[c, COUNT]
             if not _wait_above(conns[c, WORDS] + 8 * shm.POSTED, want, spin):
                 return _stop(ctl, i, BLOCKED_RECV, c)
-            size_addr = conns[c, WORDS] + 8 * (shm.SIZES + want % nslots)
-            if native_sync.load_acquire(size_addr) != nbytes:
+            if native_sync.load_acquire(conns[c, WORDS] + 8 * (shm.SIZES + want % nslots)) != nbytes:
                 return _stop(ctl, i, BAD_SIZE, c)
         for j in range(ndst):
             c = row[PEERS + maxsrc + j]
             if not _wait_above(conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT] - nslots, spin):
                 return _stop(ctl, i, BLOCKED_SEND, c)
-        x = inp[io:io + k]
-        x_at_out = x.ctypes.data == out.ctypes.data + oo * out.itemsize   # in place: nothing to copy
-        if flags & F_REDUCES:
-            # executor._slice: reduce into the output if the step copies, else into the first
-            # outgoing slot; further sources fold into that value in order.
-            if flags & F_COPIES:
-                value = out[oo:oo + k]
-            else:
-                value = _slot(conns, row[PEERS + maxsrc], nslots, slot_bytes, inp, k)
-            for j in range(nsrc):               # one call site: one copy of every op's loop
-                a = x if j == 0 else value
-                native_reduce(value, a, _slot(conns, row[PEERS + j], nslots, slot_bytes, inp, k), op, kind16)
-            if flags & F_FINAL and ctl[AVG]:
-                native_avg(value, ctl[NRANKS], kind16)
-            first = 0 if flags & F_COPIES else 1   # the first slot already holds the value
-        else:
-            value = _slot(conns, row[PEERS], nslots, slot_bytes, inp, k) if flags & F_RECVS else x
-            if flags & F_COPIES and not (x_at_out and not flags & F_RECVS):
-                _copy(out[oo:oo + k], value)
-            first = 0
-        for j in range(first, ndst):
-            _copy(_slot(conns, row[PEERS + maxsrc + j], nslots, slot_bytes, inp, k), value)
+        _move(row, conns, ctl, inp, out)
         for j in range(nsrc):                   # give the incoming slots back
             c = row[PEERS + j]
             conns[c, COUNT] += 1
@@ -125,6 +101,34 @@ def _run(plan, conns, ctl, inp_array, out):
         if native_sync.cycles() - t0 > ctl[BUDGET] and i < plan.shape[0]:
             return _stop(ctl, i, YIELD, -1)
     return _stop(ctl, i, DONE, -1)
+
+
+def _move(row, conns, ctl, inp, out):
+    """One slice's data work, as executor._slice does it: the slots are ready."""
+    nslots, slot_bytes, op, kind16, maxsrc = ctl[NSLOTS], ctl[SLOT_BYTES], ctl[OP], ctl[KIND16], ctl[MAXSRC]
+    flags, io, oo, k, nsrc, ndst = row[FLAGS], row[IO], row[OO], row[K], row[NSRC], row[NDST]
+    x = inp[io:io + k]
+    if flags & F_REDUCES:
+        # Reduce into the output if the step copies, else into the first outgoing slot; further
+        # sources fold into that value in order.
+        if flags & F_COPIES:
+            value = out[oo:oo + k]
+        else:
+            value = _slot(conns, row[PEERS + maxsrc], nslots, slot_bytes, inp, k)
+        for j in range(nsrc):                   # one call site: one copy of every op's loop
+            a = x if j == 0 else value
+            native_reduce(value, a, _slot(conns, row[PEERS + j], nslots, slot_bytes, inp, k), op, kind16)
+        if flags & F_FINAL and ctl[AVG]:
+            native_avg(value, ctl[NRANKS], kind16)
+        first = 0 if flags & F_COPIES else 1    # the first slot already holds the value
+    else:
+        value = _slot(conns, row[PEERS], nslots, slot_bytes, inp, k) if flags & F_RECVS else x
+        in_place = x.ctypes.data == out.ctypes.data + oo * out.itemsize   # copying onto itself
+        if flags & F_COPIES and not (in_place and not flags & F_RECVS):
+            _copy(out[oo:oo + k], value)
+        first = 0
+    for j in range(first, ndst):
+        _copy(_slot(conns, row[PEERS + maxsrc + j], nslots, slot_bytes, inp, k), value)
 
 
 def _stop(ctl, i, status, c):
@@ -151,7 +155,7 @@ def kernel():
         native_reduce, native_avg = native_kernels.compiled()
         jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
         g = globals()
-        for name in ("_wait_above", "_slot", "_stop", "_copy"):
+        for name in ("_wait_above", "_slot", "_stop", "_copy", "_move"):
             g[name] = jit(g[name])
         _drop_stale_cache()
         _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
