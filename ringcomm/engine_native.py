@@ -22,6 +22,7 @@ loads them instead of compiling.
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 
@@ -143,22 +144,25 @@ def _copy(dst, src):
 
 numba_carray = native_reduce = native_avg = None
 _kernel = None
+_lock = threading.Lock()
 
 
 def kernel():
-    """The compiled loop (numba dispatcher): one specialization per element type, cached on disk."""
+    """The compiled loop (numba dispatcher): one specialization per element type, cached on disk.
+    Made once per process, under a lock: communicators may be created in several threads."""
     global _kernel, numba_carray, native_reduce, native_avg
-    if _kernel is None:
-        import numba
-        native_sync.intrinsics()
-        numba_carray = numba.carray
-        native_reduce, native_avg = native_kernels.compiled()
-        jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
-        g = globals()
-        for name in ("_wait_above", "_slot", "_stop", "_copy", "_move"):
-            g[name] = jit(g[name])
-        _drop_stale_cache()
-        _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
+    with _lock:
+        if _kernel is None:
+            import numba
+            native_sync.intrinsics()
+            numba_carray = numba.carray
+            native_reduce, native_avg = native_kernels.compiled()
+            jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
+            g = globals()
+            for name in ("_wait_above", "_slot", "_stop", "_copy", "_move"):
+                g[name] = jit(g[name])
+            _drop_stale_cache()
+            _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
     return _kernel
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 import time
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # cycles_per_second() holds it while it calls intrinsics()
 _done = None
 load_acquire = store_release = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
 
@@ -102,16 +102,21 @@ def cycles_per_second() -> float:
     """The cycle counter's rate, measured once per process over ~2 ms (a VM's TSC runs at a
     fixed rate; what matters is turning "return to Python every ~1 ms" into counter ticks)."""
     global _hz
-    if _hz is None:
-        import numba
-        intrinsics()
-        read = numba.njit(cache=True)(_read_cycles)
-        read()
-        t0, c0 = time.perf_counter(), read()
-        while time.perf_counter() - t0 < 2e-3:
-            pass
-        _hz = (read() - c0) / (time.perf_counter() - t0)
+    with _lock:
+        if _hz is None:
+            _hz = _measure_hz()
     return _hz
+
+
+def _measure_hz() -> float:
+    import numba
+    intrinsics()
+    read = numba.njit(cache=True)(_read_cycles)
+    read()
+    t0, c0 = time.perf_counter(), read()
+    while time.perf_counter() - t0 < 2e-3:
+        pass
+    return (read() - c0) / (time.perf_counter() - t0)
 
 
 def _read_cycles():
