@@ -88,7 +88,7 @@ class _Member:
     def __init__(self, executor, sched, call):
         self.call, self.pos, self.nsteps = call, 0, len(sched.steps)
         self.p2p = sched.algo == "p2p"  # send / recv: their turn on a connection comes after collectives
-        self.plan = executor._plan(sched, call, (id(sched), call.inp.itemsize, call.m, call.blocks))
+        self.plan = executor._cached_plan(sched, call, False)
         self.inp, self.out = call.inp, call.out
         self.fn = kernels.elementwise(call.op, call.inp.dtype)
         self.in_place = call.inp is call.out

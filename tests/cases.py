@@ -83,9 +83,15 @@ def sample_cases(world_size: int, seed: int, big: int = 2) -> list[dict]:
 
 def run_case(comm, case: dict) -> str | None:
     """Run one case on this rank; None when right, else what went wrong."""
-    n, r = comm.world_size, comm.rank
     if case["collective"] in BLOCK_COLLECTIVES:
         return run_block_case(comm, case)
+    got, want = call_case(comm, case)
+    return compare(got, want, case)
+
+
+def call_case(comm, case: dict):
+    """(this rank's result, what it must be) for one case."""
+    n, r = comm.world_size, comm.rank
     coll, count, root = case["collective"], case["count"], case["root"]
     insize = count * n if coll == "reduce_scatter" else count
     inputs = [make_input(case, k, insize) for k in range(n)]
@@ -113,7 +119,7 @@ def run_case(comm, case: dict) -> str | None:
         out = x[r * count:(r + 1) * count] if case["inplace"] else np.empty(count, x.dtype)
         got = comm.reduce_scatter(x, out, case["op"], **kw)
         want = reference(case, inputs)[r * count:(r + 1) * count]
-    return compare(got, want, case)
+    return got, want
 
 
 def compare(got: np.ndarray, want: np.ndarray, case: dict) -> str | None:
@@ -202,3 +208,36 @@ def run_block_case(comm, case: dict, dev=lambda a: a, host=lambda a, dtype: a) -
             got = dev(np.zeros_like(want))
             comm.scatter(None, got, root, **kw)
     return compare(host(got, want.dtype), want, exact)
+
+
+ENGINES = ("native", "python")
+
+
+def run_cases_on_engines(comm, cases: list[dict]) -> list[str]:
+    """Every case on the native engine, then on the reference engine (ringcomm.executor): both
+    must be right, and give the same bits. Where the native engine does not apply (tcp links),
+    both runs take the reference engine and agree trivially."""
+    n = comm.world_size
+    if not all(comm.transport_to(p) == "shm" for p in range(n) if p != comm.rank):
+        return run_cases(comm, cases)
+    errors = []
+    for case in cases:
+        if case["collective"] in BLOCK_COLLECTIVES:  # checked against numpy on each engine
+            for engine in ENGINES:
+                comm._executor.engine = engine
+                err = run_block_case(comm, case)
+                if err:
+                    errors.append(f"[{engine} engine] {err}")
+            continue
+        results = {}
+        for engine in ENGINES:
+            comm._executor.engine = engine
+            got, want = call_case(comm, case)
+            err = compare(got, want, case)
+            if err:
+                errors.append(f"[{engine} engine] {err}")
+            results[engine] = got.tobytes()
+        if results["native"] != results["python"]:
+            errors.append(f"{case}: the native and python engines' results differ")
+    comm._executor.engine = ENGINES[0]
+    return errors

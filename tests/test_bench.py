@@ -47,7 +47,8 @@ def test_sweep_is_geometric_and_inclusive():
 
 def test_cli_rejects_bad_arguments(capsys):
     for argv in (["all_reduce", "-b", "12Q"], ["broadcast", "-n", "2", "-r", "2"],
-                 ["all_gather", "--algo", "tree"], ["sendrecv", "-n", "1"], ["all_reduce", "-d", "float8"]):
+                 ["all_gather", "--algo", "tree"], ["sendrecv", "-n", "1"], ["all_reduce", "-d", "float8"],
+                 ["all_reduce", "--engine", "fast"]):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
@@ -55,6 +56,7 @@ def test_cli_rejects_bad_arguments(capsys):
     a = parse_args(["reduce", "-d", "float16", "--algo", "all", "-b", "1K", "-e", "4K"])
     assert (a.datatype, a.algos, a.sizes) == ("half", list(ALGOS["reduce"]), [1024, 2048, 4096])
     assert parse_args(["all_reduce", "--algo", "ring,auto"]).algos == ["ring", None]
+    assert parse_args(["all_reduce", "--engine", "python"]).engine == "python"
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------
@@ -251,7 +253,7 @@ def _rows(out):
 def test_real_run_prints_the_table_and_one_line_for_a_missing_peer():
     # mpi4py hidden from this process: the peer must be skipped with one line, not a traceback.
     rc, out, err = _run_cli(["all_reduce", "-n", "2", "-b", "1K", "-e", "16K", "-f", "4", "--iters", "2",
-                             "--warmup", "1", "--check", "--peer", "mpi", "--no-progress"],
+                             "--warmup", "1", "--check", "--peer", "mpi", "--no-progress", "--engine", "python"],
                             prelude="sys.modules['mpi4py'] = None; ")
     assert rc == 0, err
     assert "Traceback" not in err
@@ -264,6 +266,7 @@ def test_real_run_prints_the_table_and_one_line_for_a_missing_peer():
         assert len(r) == 13 and r[2:5] == ["float", "sum", "-1"] and r[8] == "0" and r[12] == "0"
     assert "# Out of bounds values : 0 OK" in out.splitlines()
     assert any(l.startswith("# Avg bus bandwidth    : ") for l in out.splitlines())
+    assert "#  ringcomm engine: python" in out.splitlines()
 
 
 @pytest.mark.timeout(120)

@@ -97,15 +97,21 @@ class _Segment:
         self.path = "/dev/shm/" + name
         size = HDR + nslots * slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        if create:  # named before it exists: a SIGTERM right after the open still finds it
+            _NAMED.add(self.path)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError:
+            _NAMED.discard(self.path)
+            raise
         try:
             if create:
-                _NAMED.add(self.path)
                 os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         buf = np.frombuffer(self.map, dtype=np.uint8)
+        self.base = buf.ctypes.data  # for compiled code, which reads the words and slots by address
         self.words = buf[:HDR].view(np.int64)
         self.slots = [buf[HDR + i * slot_bytes: HDR + (i + 1) * slot_bytes] for i in range(nslots)]
         if create:
@@ -162,6 +168,13 @@ class _Link:
                 raise PeerTimeout(f"waiting for {what} rank {self.peer} over {self.transport}",
                                   peer=self.peer, transport=self.transport)
 
+    def addresses(self) -> tuple[int, int]:
+        """(header words, slot 0) as addresses: slot i starts at slot 0 + i * slot_bytes. For a
+        compiled loop that follows this protocol itself (ringcomm's native engine); it must keep
+        the ``count`` of this end (posted or released) and write it back before calling wait or
+        acquire again."""
+        return self.seg.base, self.seg.base + HDR
+
     def _check_peer(self, what: str) -> None:
         words = self.seg.words
         if words[self._peer_closed_word]:
@@ -180,11 +193,25 @@ class ShmSend(_Link, SendConnection):
         self.posted = 0  # our own copy: only we write POSTED
         self.unlinked = False
 
-    def acquire(self, deadline: float) -> np.ndarray:
-        words = self.seg.words
-        if not self.unlinked and words[RECEIVER_PID]:
+    @property
+    def count(self) -> int:
+        return self.posted
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.posted = value
+
+    def settle(self) -> bool:
+        """Unlink the segment's name once the receiver has mapped it; whether that is done."""
+        if not self.unlinked and self.seg.words[RECEIVER_PID]:
             self.seg.unlink()  # both ends are mapped: the name is no longer needed
             self.unlinked = True
+        return self.unlinked
+
+    def acquire(self, deadline: float) -> np.ndarray:
+        words = self.seg.words
+        if not self.unlinked:
+            self.settle()
         limit = self.posted - self.nslots
         if words[RELEASED] <= limit:
             self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from")
@@ -214,6 +241,14 @@ class ShmRecv(_Link, RecvConnection):
         super().__init__(ctx, peer, seg, SENDER_PID, CLOSED)
         seg.words[RECEIVER_PID] = os.getpid()
         self.released = 0
+
+    @property
+    def count(self) -> int:
+        return self.released
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.released = value
 
     def wait(self, deadline: float) -> np.ndarray:
         words = self.seg.words

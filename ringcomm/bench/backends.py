@@ -127,7 +127,7 @@ class RingcommBackend(Backend):
         import ringcomm
         peers = {str(p): self.comm.transport_to(p) for p in range(self.world_size) if p != self.rank}
         return {"library": f"ringcomm {ringcomm.__version__}", "ringcomm": ringcomm.__version__,
-                "transports_from_rank0": peers,
+                "transports_from_rank0": peers, "engine": self.comm._executor.engine,
                 "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")
                         and k not in ("RINGCOMM_TOKEN",)}}
 
