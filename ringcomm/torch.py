@@ -72,6 +72,20 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def getBackendName(self) -> str:
         return BACKEND
 
+    # torch names every group it makes (_set_group_name) and looks groups up by that name:
+    # destroy_process_group(subgroup), functional collectives, DeviceMesh. The C++ getter reads
+    # the name from a registered backend, and a Python ProcessGroup is its own backend, so
+    # without these it raises "ProcessGroup name not set" (multi_threaded_pg keeps its name too).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError(f"{self!r} has no group name yet: torch names a group once it made it")
+        return name
+
     def __repr__(self):
         return f"<ProcessGroupRingcomm rank {self.comm.rank} of {self.comm.world_size}>"
 
