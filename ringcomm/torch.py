@@ -38,6 +38,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 import ringcomm
 
+from . import torch_collectives as colls
 from .torch_support import TorchStore, Work, Worker, check_tensor, host_view, ring_op, same_kind
 
 BACKEND = "ringcomm"
@@ -101,7 +102,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # ---- reductions -------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        op = ring_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:
+            name = getattr(getattr(red, "op", red), "name", str(red))
+            return self._submit("sparse all_reduce", *colls.sparse_all_reduce(self.comm, tensors[0], name))
+        op = ring_op(red, "all_reduce")
         views = [host_view(t, "all_reduce tensor", reduce=True) for t in tensors]
         return self._submit("all_reduce", list(tensors),
                             lambda: [self.comm.all_reduce(v, op, **self._rp(op, v)) for v in views])
@@ -198,13 +203,33 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._submit("barrier", [], self.comm.barrier)
 
     recv_anysource = _unsupported("recv from any source")
-    alltoall = _unsupported("all_to_all")
-    alltoall_base = all_to_all_single = _unsupported("all_to_all_single")
-    gather = _unsupported("gather")
-    scatter = _unsupported("scatter")
-    allgather_coalesced = _unsupported("all_gather_coalesced")
-    all_gather_single_coalesced = allgather_into_tensor_coalesced = _unsupported("coalesced all_gather")
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced = _unsupported("coalesced reduce_scatter")
+
+    # ---- block collectives (ringcomm/torch_collectives.py) -----------------------------------
+
+    def gather(self, output_tensors, input_tensors, opts):
+        return self._submit("gather", *colls.gather(self.comm, output_tensors, input_tensors, opts.rootRank))
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        return self._submit("scatter", *colls.scatter(self.comm, output_tensors, input_tensors, opts.rootRank))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._submit("all_to_all_single", *colls.all_to_all_single(
+            self.comm, output, input, output_split_sizes, input_split_sizes))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        return self._submit("all_to_all", *colls.all_to_all(self.comm, output_tensors, input_tensors))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self._submit("all_gather_coalesced", *colls.all_gather_coalesced(self.comm, output_lists, input_list))
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._submit("all_gather_into_tensor_coalesced",
+                            *colls.all_gather_into_tensor_coalesced(self.comm, outputs, inputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
 
     # ---- lifecycle --------------------------------------------------------------------------
 
