@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 import ringcomm
 
 from . import torch_collectives as colls
+from .torch_p2p import P2PBatch
 from .torch_support import TorchStore, Work, Worker, check_tensor, host_view, ring_op, same_kind
 
 BACKEND = "ringcomm"
@@ -68,6 +69,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._worker = Worker(comm.rank)
         self._seq = 0
         self.reproducible = reproducible_from_env()
+        self._p2p = P2PBatch(self)
         _LIVE.add(self)
 
     def getBackendName(self) -> str:
@@ -96,6 +98,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return {"reproducible": True} if on else {}
 
     def _submit(self, name: str, outputs: list, fn) -> Work:
+        self._p2p.flush()  # held p2p calls were issued first, so they run first
+        return self._submit_now(name, outputs, fn)
+
+    def _submit_now(self, name: str, outputs: list, fn) -> Work:
         self._seq += 1
         return self._worker.submit(Work(self._worker, name, self._seq, outputs), fn)
 
@@ -183,21 +189,23 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    # Held, then run together (ringcomm/torch_p2p.py): an irecv may come before its isend.
+    # A tag is taken as given: messages between two ranks match in issue order (see the README).
     def send(self, tensors, dst, tag=0):
-        t = self._p2p_check(tensors, tag, "send")
+        t = _one(tensors, "send")
         v = host_view(t, "send tensor")
-        return self._submit("send", [t], lambda: self.comm.send(v, dst))
+        self._peer(dst, "send")
+        return self._p2p.add(True, lambda: self.comm.send(v, dst), [t])
 
     def recv(self, tensors, src, tag=0):
-        t = self._p2p_check(tensors, tag, "recv")
+        t = _one(tensors, "recv")
         v = host_view(t, "recv tensor")
-        return self._submit("recv", [t], lambda: self.comm.recv(v, src))
+        self._peer(src, "recv")
+        return self._p2p.add(False, lambda: self.comm.recv(v, src), [t])
 
-    def _p2p_check(self, tensors, tag, what):
-        if tag != 0:
-            raise NotImplementedError(f"{what}: the ringcomm backend has no tags (got tag={tag}); messages "
-                                      f"between two ranks arrive in the order they were sent")
-        return _one(tensors, what)
+    def _peer(self, peer, what):
+        if not 0 <= peer < self.comm.world_size or peer == self.comm.rank:
+            raise ValueError(f"{what}: peer {peer} is not another rank of this group of {self.comm.world_size}")
 
     def barrier(self, opts=None):
         return self._submit("barrier", [], self.comm.barrier)
@@ -236,6 +244,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Finish the queued calls, then close the Communicator (destroy_process_group calls this)."""
         _LIVE.discard(self)
+        self._p2p.flush()
         self._worker.stop(self.comm.timeout + 5.0)
         self.comm.close()
 
