@@ -49,7 +49,8 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # groups still open, closed at exit
 def _unsupported(name: str):
     def method(self, *args, **kwargs):
         raise NotImplementedError(f"the ringcomm backend does not implement {name}; it has all_reduce, "
-                                  f"all_gather, reduce_scatter, broadcast, reduce, send, recv and barrier")
+                                  f"all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, "
+                                  f"send, recv and barrier, and coalesced all_reduce and all_gather")
     method.__name__ = name
     return method
 
@@ -63,13 +64,13 @@ def _one(tensors, collective: str):
 class ProcessGroupRingcomm(dist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on a ringcomm Communicator."""
 
-    def __init__(self, comm: ringcomm.Communicator):
+    def __init__(self, comm: ringcomm.Communicator, store=None):
         super().__init__(comm.rank, comm.world_size)
         self.comm = comm
         self._worker = Worker(comm.rank)
         self._seq = 0
         self.reproducible = reproducible_from_env()
-        self._p2p = P2PBatch(self)
+        self._p2p = P2PBatch(self, store)  # the store carries any-source announcements
         _LIVE.add(self)
 
     def getBackendName(self) -> str:
@@ -195,13 +196,20 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         t = _one(tensors, "send")
         v = host_view(t, "send tensor")
         self._peer(dst, "send")
-        return self._p2p.add(True, lambda: self.comm.send(v, dst), [t])
+        return self._p2p.send(v, dst, [t])
 
     def recv(self, tensors, src, tag=0):
         t = _one(tensors, "recv")
         v = host_view(t, "recv tensor")
         self._peer(src, "recv")
-        return self._p2p.add(False, lambda: self.comm.recv(v, src), [t])
+        return self._p2p.recv(v, src, [t])
+
+    def recv_anysource(self, tensors, tag=0):
+        t = _one(tensors, "recv from any source")
+        if not self._p2p.announced:
+            raise NotImplementedError("recv from any source needs the store torch gives the backend; this "
+                                      "process group was made from a Communicator alone")
+        return self._p2p.recv(host_view(t, "recv tensor"), None, [t])
 
     def _peer(self, peer, what):
         if not 0 <= peer < self.comm.world_size or peer == self.comm.rank:
@@ -210,7 +218,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._submit("barrier", [], self.comm.barrier)
 
-    recv_anysource = _unsupported("recv from any source")
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced = _unsupported("coalesced reduce_scatter")
 
     # ---- block collectives (ringcomm/torch_collectives.py) -----------------------------------
@@ -266,7 +273,7 @@ def _create_process_group(store, rank, world_size, timeout):
     adapter = TorchStore(store)
     comm = ringcomm.init(rank, world_size, store=adapter, timeout=seconds)
     adapter.timeout = comm.timeout
-    return ProcessGroupRingcomm(comm)
+    return ProcessGroupRingcomm(comm, TorchStore(dist.PrefixStore("ringcomm-p2p", store), comm.timeout))
 
 
 @atexit.register

@@ -253,7 +253,6 @@ def check_errors(rank, n):
         _raises(ValueError, r"not another rank", dist.isend, t, rank),
         _raises(NotImplementedError, r"sums sparse tensors only", dist.all_reduce,
                 torch.eye(2).to_sparse(), op=RED.MAX),
-        _raises(NotImplementedError, r"any source", dist.irecv, t),
     ]
     dist.all_reduce(t)  # errors are raised before anything is queued: the group still works
     assert torch.equal(t, torch.full((8,), float(n)))
@@ -305,6 +304,31 @@ def check_p2p_irecv_before_isend(rank, n, size):
     for f in futures:
         f.wait()
     assert torch.equal(a, _data(prev, (size,), torch.float32) * 2) and torch.equal(b, _data(prev, (7,), torch.int32))
+
+
+def check_recv_from_any_source(rank, n):
+    """Rank 0 takes two messages from every other rank without naming the source (recv and
+    irecv alternating), with one directed recv from rank n - 1 in between; the others send."""
+    if rank != 0:
+        for k in range(2 if rank != n - 1 else 3):
+            dist.send(torch.full((4,), 10.0 * rank + k), 0)
+        return None
+    seen = {q: [] for q in range(1, n)}
+    for i in range(2 * (n - 1)):
+        t = torch.zeros(4)
+        if i % 2:
+            w = dist.irecv(t)
+            assert w.wait()
+            src = w._source_rank()
+        else:
+            src = dist.recv(t)
+        seen[src].append(t[0].item())
+        if i == 0:
+            last = torch.zeros(4)
+            dist.recv(last, n - 1)  # a directed recv takes rank n - 1's next message in order
+            seen[n - 1].append(last[0].item())
+    assert all(sorted(v) == v for v in seen.values()), seen  # each source's messages in send order
+    return {q: len(v) for q, v in seen.items()}
 
 
 def check_group_name(rank, n):
@@ -378,6 +402,12 @@ def test_irecv_posted_before_isend_does_not_deadlock(world):
                                            "(issue 13, branch i13-async), which this checkout lacks")
 def test_irecv_before_isend_larger_than_the_fifo(world):
     world.run(check_p2p_irecv_before_isend, 100_000)  # 400 KB each way, the FIFO is 64 KiB
+
+
+@pytest.mark.timeout(120)
+def test_recv_from_any_source(world):
+    counts = world.run(check_recv_from_any_source)[0]
+    assert counts == {q: 3 if q == world.n - 1 else 2 for q in range(1, world.n)}
 
 
 @pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ import ringcomm  # noqa: E402
 SUITE = pathlib.Path(__file__).resolve().parent / "torch_suite" / "suite.py"
 # One or two tests of each kind the backend gained or fixed, all passing on gloo too.
 FAST = ["test_all_reduce_sum", "test_broadcast", "test_all_gather_coalesced_simple", "test_sparse_all_reduce_sum",
-        "test_send_recv_with_tag", "test_batch_isend_irecv_gloo", "test_barrier_timeout_full_group",
+        "test_send_recv_with_tag", "test_send_recv_any_source", "test_batch_isend_irecv_gloo", "test_barrier_timeout_full_group",
         "test_accumulate_gradients_no_sync"]
 if all(hasattr(ringcomm.Communicator, m) for m in ("gather", "scatter", "all_to_all")):
     FAST += ["test_gather", "test_scatter"]
