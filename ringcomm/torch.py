@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 import ringcomm
 
 from . import torch_collectives as colls
+from . import torch_groups
 from .torch_p2p import P2PBatch
 from .torch_support import TorchStore, Work, Worker, check_tensor, host_view, ring_op, same_kind
 
@@ -70,7 +71,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self._worker = Worker(comm.rank)
         self._seq = 0
         self.reproducible = reproducible_from_env()
-        self._p2p = P2PBatch(self, store)  # the store carries any-source announcements
+        # torch's store for this group (None for a group made from a Communicator alone): it
+        # carries p2p's any-source announcements, and split_group's groups take a prefix of it.
+        self.store = store
+        self._p2p = P2PBatch(self, None if store is None else TorchStore(dist.PrefixStore("ringcomm-p2p/", store),
+                                                                         comm.timeout))
         _LIVE.add(self)
 
     def getBackendName(self) -> str:
@@ -246,6 +251,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
+    # ---- sub-groups (ringcomm/torch_groups.py) -------------------------------------------------
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """Collective over this group: the ranks listing the same ``ranks`` form a new group (one
+        comm.split, no rendezvous); None where ``ranks`` is empty or None."""
+        return torch_groups.split(self, ranks, group_name, group_desc)
+
     # ---- lifecycle --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
@@ -273,7 +285,7 @@ def _create_process_group(store, rank, world_size, timeout):
     adapter = TorchStore(store)
     comm = ringcomm.init(rank, world_size, store=adapter, timeout=seconds)
     adapter.timeout = comm.timeout
-    return ProcessGroupRingcomm(comm, TorchStore(dist.PrefixStore("ringcomm-p2p", store), comm.timeout))
+    return ProcessGroupRingcomm(comm, store)
 
 
 @atexit.register
@@ -283,4 +295,5 @@ def _close_all() -> None:
 
 
 # "cuda" too, so that a CUDA tensor reaches this backend and gets its clear NotImplementedError.
+split_group = torch_groups.split_group
 dist.Backend.register_backend(BACKEND, _create_process_group, devices=["cpu", "cuda"])
