@@ -344,6 +344,28 @@ def check_group_name(rank, n):
     return pg.group_name
 
 
+def check_split_group(rank, n):
+    """Even and odd ranks split into two groups (one comm.split of the world); each reduces and
+    broadcasts on its own, then is destroyed by name, and the world goes on."""
+    import ringcomm.torch as rt
+    evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
+    sub = rt.split_group([evens, odds])
+    mine = evens if rank % 2 == 0 else odds
+    assert dist.get_process_group_ranks(sub) == mine and sub.rank() == mine.index(rank)
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t, group=sub)
+    assert torch.equal(t, torch.full((5,), float(sum(q + 1 for q in mine))))
+    b = torch.full((2,), float(rank))
+    dist.broadcast(b, src=mine[-1], group=sub)  # a global rank: torch maps it through the registration
+    assert torch.equal(b, torch.full((2,), float(mine[-1])))
+    dist.destroy_process_group(sub)
+    with pytest.raises(ValueError, match="distinct ranks"):
+        rt.split_group([[0], [0]])
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == n
+
+
 HAS_BLOCKS = all(hasattr(__import__("ringcomm").Communicator, m) for m in ("all_to_all", "gather", "scatter"))
 NEEDS_BLOCKS = pytest.mark.skipif(not HAS_BLOCKS, reason="needs issue 13's comm.all_to_all / gather / scatter "
                                                          "(branch i13-coll), which this checkout lacks")
@@ -408,6 +430,11 @@ def test_irecv_before_isend_larger_than_the_fifo(world):
 def test_recv_from_any_source(world):
     counts = world.run(check_recv_from_any_source)[0]
     assert counts == {q: 3 if q == world.n - 1 else 2 for q in range(1, world.n)}
+
+
+@pytest.mark.timeout(120)
+def test_split_group_on_comm_split(world):
+    world.run(check_split_group)
 
 
 @pytest.mark.timeout(120)
