@@ -17,9 +17,8 @@ def split_group(split_ranks, parent_pg=None, group_desc: str | None = None):
     """Collective over ``parent_pg`` (default: the world): ``split_ranks`` lists disjoint lists of
     the parent's ranks, the same on every rank; each list becomes a group. Returns this rank's
     group, or None where the rank is in no list."""
-    from .torch import ProcessGroupRingcomm
     parent = parent_pg if parent_pg is not None else c10d._get_default_group()
-    if not isinstance(parent, ProcessGroupRingcomm):
+    if parent.getBackendName() != "ringcomm" or not hasattr(parent, "comm"):
         raise TypeError(f"split_group: the parent must be a ringcomm process group, got {type(parent).__name__}")
     n = parent.size()
     if not split_ranks or not all(isinstance(g, (list, tuple)) and g for g in split_ranks):
@@ -33,7 +32,6 @@ def split_group(split_ranks, parent_pg=None, group_desc: str | None = None):
 
 def split(parent, ranks, group_name=None, group_desc=None):
     """ProcessGroupRingcomm.split_group: this rank's part of one comm.split of the parent."""
-    from .torch import ProcessGroupRingcomm
     ranks = sorted(ranks) if ranks else None
     comm = parent.comm.split(ranks[0] if ranks else None, key=parent.rank())  # color: the first member
     if comm is None:
@@ -42,7 +40,7 @@ def split(parent, ranks, group_name=None, group_desc=None):
     members = [globals_[r] for r in ranks]
     name = group_name or c10d._process_group_name(members, use_hashed_name=True)
     store = dist.PrefixStore(f"ringcomm-split/{name}/", parent.store)
-    pg = ProcessGroupRingcomm(comm, store)
+    pg = type(parent)(comm, store)  # a ProcessGroupRingcomm (ringcomm.torch imports this module)
     pg._set_group_name(name)
     pg._set_group_desc(group_desc or f"{parent.group_desc}:split")
     c10d._register_pg_in_world(pg, backend_name="ringcomm", store=store, group_name=name,
