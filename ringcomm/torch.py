@@ -74,8 +74,10 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         # torch's store for this group (None for a group made from a Communicator alone): it
         # carries p2p's any-source announcements, and split_group's groups take a prefix of it.
         self.store = store
-        self._p2p = P2PBatch(self, None if store is None else TorchStore(dist.PrefixStore("ringcomm-p2p/", store),
-                                                                         comm.timeout))
+        # RINGCOMM_ANY_SOURCE=0 (alike on every rank) spares each send its two store calls.
+        announce = store is not None and _flag("RINGCOMM_ANY_SOURCE", True, "recv from any source")
+        self._p2p = P2PBatch(self, TorchStore(dist.PrefixStore("ringcomm-p2p/", store), comm.timeout)
+                             if announce else None)
         _LIVE.add(self)
 
     def getBackendName(self) -> str:
@@ -212,8 +214,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def recv_anysource(self, tensors, tag=0):
         t = _one(tensors, "recv from any source")
         if not self._p2p.announced:
-            raise NotImplementedError("recv from any source needs the store torch gives the backend; this "
-                                      "process group was made from a Communicator alone")
+            raise NotImplementedError("recv from any source: this group's sends do not announce themselves "
+                                      "(RINGCOMM_ANY_SOURCE=0, or a group made from a Communicator alone)")
         return self._p2p.recv(host_view(t, "recv tensor"), None, [t])
 
     def _peer(self, peer, what):
@@ -272,10 +274,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
 def reproducible_from_env() -> bool:
     """RINGCOMM_REPRODUCIBLE: "1" on, "0" or unset off; anything else is a ValueError naming it."""
-    raw = os.environ.get("RINGCOMM_REPRODUCIBLE", "").strip()
+    return _flag("RINGCOMM_REPRODUCIBLE", False, "reproducible float sums")
+
+
+def _flag(name: str, default: bool, what: str) -> bool:
+    raw = os.environ.get(name, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"RINGCOMM_REPRODUCIBLE={raw!r}: use 1 (reproducible float sums) or 0")
-    return raw == "1"
+        raise ValueError(f"{name}={raw!r}: use 1 ({what}) or 0")
+    return default if raw == "" else raw == "1"
 
 
 def _create_process_group(store, rank, world_size, timeout):

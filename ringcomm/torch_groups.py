@@ -39,7 +39,7 @@ def split(parent, ranks, group_name=None, group_desc=None):
     globals_ = dist.get_process_group_ranks(parent)
     members = [globals_[r] for r in ranks]
     name = group_name or c10d._process_group_name(members, use_hashed_name=True)
-    store = dist.PrefixStore(f"ringcomm-split/{name}/", parent.store)
+    store = dist.PrefixStore(f"ringcomm-split/{name}/", parent.store) if parent.store is not None else None
     pg = type(parent)(comm, store)  # a ProcessGroupRingcomm (ringcomm.torch imports this module)
     pg._set_group_name(name)
     pg._set_group_desc(group_desc or f"{parent.group_desc}:split")
