@@ -80,7 +80,7 @@ def table(world: int, results: dict) -> str:
         if any(counts[b][g] for b in BACKENDS):
             cells = "".join(f"{c['passed']:>14}/{c['failed']:>4}/{c['skipped']:>4}      "
                             for c in (counts[b][g] for b in BACKENDS))
-            rows.append(f"{g:<18}{cells}")
+            rows.append(f"{g:<18}{cells}".rstrip())
     missing = sorted(n for n, d in results["gloo"].items()
                      if d["outcome"] == "passed" and results["ringcomm"].get(n, {}).get("outcome") != "passed")
     gp = sum(d["outcome"] == "passed" for d in results["gloo"].values())
