@@ -141,7 +141,8 @@ class Links:
             return t.connect_send(peer, deadline) if direction == "send" else t.connect_recv(peer, deadline)
         except (PeerTimeout, StoreTimeout) as e:
             raise CollectiveTimeout(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                                    f"({direction}{self._purpose()}) over {name} within {self.timeout:g} s: {e}") from None
+                                    f"({direction}{self._purpose()}) over {name} within the {self.timeout:g} s "
+                                    f"timeout of this communicator: {e}") from None
         except Aborted as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) was aborted while connecting to rank "
                                 f"{peer} ({direction}{self._purpose()}) over {name}: {e}") from None

@@ -4,6 +4,7 @@ Only ringcomm.torch imports this module (it needs torch, an optional extra).
 """
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import ml_dtypes
@@ -25,6 +26,9 @@ REDUCIBLE = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torc
 _RED = dist.ReduceOp.RedOpType
 OPS = {_RED.SUM: ringcomm.SUM, _RED.PRODUCT: ringcomm.PROD, _RED.MIN: ringcomm.MIN,
        _RED.MAX: ringcomm.MAX, _RED.AVG: ringcomm.AVG}
+# TorchStore polls a missing key after 1 ms, doubling up to 20 ms: a peer's key is seen within
+# 20 ms of its set, for at most 50 round trips a second to the store per waiting rank.
+_CHECK_FIRST_S, _CHECK_MAX_S = 0.001, 0.02
 
 
 def ring_op(op, collective: str):
@@ -91,8 +95,18 @@ class TorchStore(Store):
         return bytes(self._call("get", [key], self._store.get, key))
 
     def _wait(self, keys, timeout):
-        # c10d reads a zero timeout as "wait forever": never pass one.
-        self._call("wait", keys, self._store.wait, keys, timedelta(seconds=max(timeout, 1e-3)))
+        # Polled with check(), never c10d's own wait: ringcomm waits in short pieces (to hear an
+        # abort or the watchdog between them), and on a short timeout c10d's wait misbehaves --
+        # TCPStore logs two "waitForInput ... timed out" warnings per piece, FileStore raises a
+        # plain RuntimeError, and a zero timeout means "forever". check() answers at once.
+        deadline = time.monotonic() + max(timeout, 0.0)
+        pause = _CHECK_FIRST_S
+        while not self._call("wait", keys, self._store.check, keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreTimeout(f"torch store wait timed out after {timeout:g} s waiting for {keys!r}")
+            time.sleep(min(pause, left))  # a poll, not a synchronisation: check() decides
+            pause = min(2 * pause, _CHECK_MAX_S)
 
     def _add(self, key, amount):
         return int(self._call("add", [key], self._store.add, key, amount))
@@ -107,7 +121,9 @@ class TorchStore(Store):
             if "timeout" in str(e).lower():
                 raise StoreTimeout(f"torch store {op} timed out waiting for {keys!r}: {e}") from None
             raise StoreError(f"torch store {op} of {keys!r} failed: {e}") from e
-        except RuntimeError as e:
+        except RuntimeError as e:  # FileStore raises plain RuntimeErrors, timeouts included
+            if "timeout" in str(e).lower():
+                raise StoreTimeout(f"torch store {op} timed out waiting for {keys!r}: {e}") from None
             raise StoreError(f"torch store {op} of {keys!r} failed: {e}") from e
 
 
