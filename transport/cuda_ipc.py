@@ -111,31 +111,18 @@ class _DeviceLink:
         return (f"rank {self.peer}'s {what} {have} of this link (its GPU has written {have} of the "
                 f"{self.waited} this stream waits for)")
 
-    def _on_device(self):
-        return cuda_rt.on_device(self.rt, self.device, quiet=True)
+    def waited_flag(self) -> Flag | None:
+        """The flag our stream may wait on (None if it never waited on one)."""
+        return (self.filled if isinstance(self, CudaIpcRecv) else self.freed) if self.waited else None
 
-    def _drain(self, deadline: float, flag: Flag) -> bool:
-        """Let our stream finish (True), or give up at the deadline (False). The flag our stream waits on is
-        released once the peer cannot write it any more (dead, or we abort) or after half the grace: a live
-        peer's GPU normally catches up long before, and releasing early would let our stream reuse a slot
-        the peer still reads."""
-        half = time.monotonic() + (deadline - time.monotonic()) / 2
-        abort = self.ctx.abort
-
-        def let_go() -> bool:
-            words = self.seg.words
-            pid = int(words[self._peer_pid_word]) if words is not None else 0
-            return (abort is not None and abort.is_set()) or not _pid_alive(pid) or time.monotonic() > half
-        try:
-            return cuda_rt.drain(self.rt, self.stream, deadline, (flag,) if self.waited else (), let_go)
-        except CudaError:
-            return False
+    def peer_cannot_write(self) -> bool:
+        """The peer will never write its flag again: it died, or closed its end."""
+        words = self.seg.words
+        return words is None or bool(words[self._peer_closed_word]) or not _pid_alive(int(words[self._peer_pid_word]))
 
     def _free(self, stuck: bool) -> None:
         """Unpin and free what this end owns, unless our stream may still use it (then it is leaked)."""
         if stuck:
-            _info(f"cuda_ipc to rank {self.peer}: our stream did not drain within {CLOSE_GRACE:g} s; its "
-                  f"memory is left mapped rather than freed under a running kernel")
             return
         errors = []
         for region in self.registered:
@@ -179,19 +166,21 @@ class CudaIpcSend(_DeviceLink, ShmSend):
         if self.seg.words is not None:                  # the memory is freed by the transport's close
             self.seg.words[CLOSED] = 1
 
-    def finish(self, deadline: float) -> None:
-        """Free the slots once our stream has drained and the receiver let go of them (or died); leak them
-        otherwise. Our stream's waits on FREED are released: the receiver will not free anything more."""
+    def finish(self, deadline: float, stuck: bool) -> None:
+        """Free the slots once the receiver let go of them (or died) and our stream has drained; leak them
+        otherwise."""
         words = self.seg.words
         if words is None:
             return
-        with self._on_device():
-            stuck = not self._drain(deadline, self.freed)
-            while not words[CLOSED + 1] and _pid_alive(int(words[RECEIVER_PID])) and time.monotonic() < deadline:
-                time.sleep(1e-3)
-            peer_done = words[CLOSED + 1] or not _pid_alive(int(words[RECEIVER_PID]))
-            self._free(stuck or not peer_done)
-        self.seg.unlink()
+        self.seg.unlink()                   # no receiver can attach from now on
+
+        def peer_done() -> bool:            # never attached (its connect failed), closed its end, or died
+            pid = int(words[RECEIVER_PID])
+            return not pid or bool(words[CLOSED + 1]) or not _pid_alive(pid)
+        while not peer_done() and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        peer_done = peer_done()
+        self._free(stuck or not peer_done)
         self.seg.close()
 
 
@@ -213,13 +202,14 @@ class CudaIpcRecv(_DeviceLink, ShmRecv):
         self._signal(self.freed, self.released + 1, self.deadline)
         super().release()
 
-    def close(self, deadline: float | None = None) -> None:
+    def close(self) -> None:
+        """Nothing yet: the transport's close unmaps, once our stream has drained (see finish)."""
+
+    def finish(self, stuck: bool) -> None:
         if self.seg.words is None:
             return
-        deadline = time.monotonic() + CLOSE_GRACE if deadline is None else deadline
-        with self._on_device():
-            self._free(not self._drain(deadline, self.filled))
-        super().close()
+        self._free(stuck)
+        ShmRecv.close(self)                             # CLOSED + 1: the sender may free its slots now
 
 
 class CudaIpcTransport(ShmTransport):
@@ -255,11 +245,15 @@ class CudaIpcTransport(ShmTransport):
                 published["why"] = "RINGCOMM_P2P_DISABLE=1" if getattr(self.rt, "ipc", True) else \
                     f"the {rt.name} runtime has no CUDA IPC"
             conn = CudaIpcSend(ctx, peer, seg, rt, base)
-        except BaseException:
+        except BaseException as e:
+            # Tell the receiver at once (it would otherwise wait for the key until its timeout).
+            ctx.store.set(self._key(ctx.rank, peer), json.dumps({"failed": f"{type(e).__name__}: {e}"}).encode())
             if base:
                 rt.free(base)
             seg.unlink()
             seg.close()
+            if isinstance(e, CudaError):
+                raise CudaError(f"{e.call} (connecting to send to rank {peer})", e.error, e.code) from None
             raise
         self.links.append(conn)
         ctx.store.set(self._key(ctx.rank, peer), json.dumps(published).encode())
@@ -267,6 +261,9 @@ class CudaIpcTransport(ShmTransport):
 
     def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
         published = json.loads(wait_key(self.ctx, self._key(peer, self.ctx.rank), deadline, peer, self.name))
+        if "failed" in published:
+            raise PeerGone(f"rank {peer} failed to set up its end: {published['failed']}", peer=peer,
+                           transport=self.name)
         try:
             seg = _Segment(published["seg"], self.ctx.nslots, self.ctx.slot_bytes, create=False)
         except FileNotFoundError:
@@ -280,8 +277,12 @@ class CudaIpcTransport(ShmTransport):
                 mode, why = STAGED, f"its memory handle did not open here: {e}"
         try:
             conn = CudaIpcRecv(self.ctx, peer, seg, self.rt, base, mode)
-        except BaseException:
+        except BaseException as e:
+            if base:
+                self.rt.ipc_close(base)
             seg.close()
+            if isinstance(e, CudaError):
+                raise CudaError(f"{e.call} (connecting to receive from rank {peer})", e.error, e.code) from None
             raise
         seg.words[MODE] = mode                          # the sender maps its slots by this
         self.links.append(conn)
@@ -304,16 +305,36 @@ class CudaIpcTransport(ShmTransport):
         return IPC, "", 0
 
     def close(self) -> None:
-        # Receivers first (they unmap the peers' slots), then senders free their own slots once their
-        # receivers have let go: every rank closes all its connections before its transports, so these
-        # waits end as soon as the peers reach their own close, and never later than the deadline.
+        """Drain our stream, then receivers unmap the peers' slots, then senders free their own once their
+        receivers have let go; all within one CLOSE_GRACE, whatever the peers or the GPU do.
+
+        Every rank closes all its connections before its transports, so these waits end as soon as the
+        peers reach their own close. A flag our stream waits on is released (held at RELEASE) once its peer
+        cannot write it any more (dead, closed), on abort, or after half the grace: a live peer's GPU
+        normally catches up long before, and releasing early would let our stream reuse a slot the peer
+        still reads."""
         deadline = time.monotonic() + CLOSE_GRACE
-        for link in self.links:
-            if isinstance(link, CudaIpcRecv):
-                link.close(deadline)
-            else:
-                link.close()
-        for link in self.links:
-            if isinstance(link, CudaIpcSend):
-                link.finish(deadline)
+        half = time.monotonic() + CLOSE_GRACE / 2
+        abort = self.ctx.abort
+        links = [link for link in self.links if isinstance(link, _DeviceLink)]
+        stuck: dict[int, bool] = {}
+        with cuda_rt.on_device(self.rt, self.device, quiet=True):
+            for stream in {link.stream for link in links}:
+                mine = [link for link in links if link.stream == stream and link.waited_flag() is not None]
+
+                def release(mine=mine) -> None:
+                    late = time.monotonic() > half or (abort is not None and abort.is_set())
+                    for link in mine:
+                        if late or link.peer_cannot_write():
+                            link.waited_flag().release()
+                stuck[stream] = not cuda_rt.drain(self.rt, stream, deadline, release)
+            for link in links:
+                if isinstance(link, CudaIpcRecv):
+                    link.finish(stuck[link.stream])
+            for link in links:
+                if isinstance(link, CudaIpcSend):
+                    link.finish(deadline, stuck[link.stream])
+        if any(stuck.values()):
+            _info(f"rank {self.ctx.rank}: cuda_ipc close: a stream did not drain within {CLOSE_GRACE:g} s; its "
+                  f"memory is left allocated rather than freed under a running kernel")
         self.links.clear()

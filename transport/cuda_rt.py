@@ -188,6 +188,7 @@ class SimRuntime(Runtime):
 
 
 _current: Runtime | None = None
+_stuck: set = set()
 _lock = threading.Lock()
 
 
@@ -235,23 +236,27 @@ def on_device(rt: Runtime, device: int, quiet: bool = False):
                     raise
 
 
-def drain(rt: Runtime, stream: int, deadline: float, flags=(), let_go=None, abort=None) -> bool:
+def drain(rt: Runtime, stream: int, deadline: float, release=None, abort=None) -> bool:
     """Poll until ``stream`` is idle (True) or the deadline passes (False), never blocking in CUDA: a stream
-    that waits for a dead peer would block a synchronize for ever. Once ``let_go()`` says the peer will not
-    write them (it died, we abort, or it had its time), ``flags`` are held at RELEASE -- rewritten at every
-    poll, as a late write of the peer's GPU may lower one again -- so a stream stuck on them moves on.
-    A stream whose query fails (a sticky error) counts as not drained."""
+    that waits for a dead peer would block a synchronize for ever. ``release()`` is called at every poll:
+    it writes RELEASE into the flags the stream may wait on that no peer will write any more (rewritten at
+    every poll, as a late write of the peer's GPU may lower one again). A stream found stuck -- or whose
+    query fails, a sticky error -- stays stuck: a later drain of it returns False at once."""
+    key = (id(rt), stream)
+    if key in _stuck:
+        return False
     pause = 1e-5
     while True:
-        if flags and (let_go is None or let_go()):
-            for f in flags:
-                f.release()
+        if release is not None:
+            release()
         try:
             if rt.stream_idle(stream):
                 return True
         except CudaError:
+            _stuck.add(key)
             return False
         if time.monotonic() > deadline or (abort is not None and abort.is_set()):
+            _stuck.add(key)         # a stream found stuck stays so: later closes do not wait for it again
             return False
         time.sleep(pause)
         pause = min(2 * pause, 1e-3)

@@ -1,0 +1,116 @@
+"""The device path's failure modes, on a fake CUDA runtime (tests/fake_cuda.py) in real rank processes.
+
+The fake runtime's streams are queues a "GPU" thread runs, so a stream can wait -- for a peer's flag, for
+an event -- and faults can be injected where numba's simulator runs everything at once: a GPU that stops,
+a failed allocation, an IPC handle that does not open, a sticky error, a stream under graph capture.
+Kernels still run under the simulator (NUMBA_ENABLE_CUDASIM=1), so results are checked bit for bit.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import device_fault_work as work
+from harness import World
+
+if importlib.util.find_spec("numba_cuda") is None:
+    pytest.skip("numba-cuda is not installed: pip install 'numba-cuda[cu12]' (the test extra has it)",
+                allow_module_level=True)
+
+SIM = {"NUMBA_ENABLE_CUDASIM": "1", "RINGCOMM_CUDA_BUFFSIZE": "1024", "RINGCOMM_NSLOTS": "4"}
+TIMEOUT = 2.0
+
+
+@pytest.fixture(autouse=True)
+def _simulator_env(monkeypatch):
+    for k, v in SIM.items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.mark.timeout(120)
+def test_ipc_where_it_works_staged_where_it_cannot_and_info_says_which():
+    with World(3, {**SIM, "RINGCOMM_DEBUG": "info"}, timeout=30) as w:
+        w.run(work.install, ranks=[0])
+        w.run(work.install, ranks=[1])                  # rank 1 cannot see the others' GPU:
+        w.run(_hide_gpus, ranks=[1])                    # per-rank CUDA_VISIBLE_DEVICES
+        w.run(work.install, ranks=[2])
+        w.run(work.inject, "cudaIpcOpenMemHandle", "cudaErrorMapBufferObjectFailed: mapping failed", ranks=[2])
+        res = w.run(work.collectives_and_paths, 300, timeout=60)
+        assert [r["error"] for r in res] == [None] * 3, res
+        assert set(res[0]["modes"].values()) == {1}, res[0]                      # IPC
+        assert set(res[1]["modes"].values()) == {2}, res[1]                      # STAGED
+        assert "not visible to this process" in res[1]["log"], res[1]["log"]
+        assert 2 in res[2]["modes"].values() and "did not open here" in res[2]["log"], res[2]
+        assert "cudaErrorMapBufferObjectFailed" in res[2]["log"]
+        assert "IPC (device memory" in res[0]["log"]
+        reports = w.run(work.close_and_report)
+        assert all(not r["violations"] and r["caller_idle"] for r in reports), reports
+
+
+def _hide_gpus(comm):
+    import fake_cuda
+    fake_cuda.current().visible = {"fake:1"}
+
+
+@pytest.mark.timeout(120)
+def test_p2p_disable_forces_the_staged_path():
+    with World(2, {**SIM, "RINGCOMM_P2P_DISABLE": "1", "RINGCOMM_DEBUG": "info"}, timeout=30) as w:
+        w.run(work.install)
+        res = w.run(work.collectives_and_paths, 300, timeout=60)
+        assert [r["error"] for r in res] == [None, None], res
+        assert all(set(r["modes"].values()) == {2} and "RINGCOMM_P2P_DISABLE=1" in r["log"] for r in res), res
+
+
+@pytest.mark.timeout(120)
+def test_a_stuck_peer_gpu_times_out_by_name_and_close_neither_hangs_nor_frees_in_use_memory():
+    with World(2, SIM, timeout=TIMEOUT) as w:
+        w.run(work.install)
+        assert w.run(work.collectives_and_paths, 300, timeout=60)[0]["error"] is None
+        w.run(work.freeze_gpu, ranks=[1])               # rank 1's GPU never writes another flag
+        res = w.run(work.call_until_error, 30.0, timeout=60)
+        assert res[0]["type"] == "CollectiveTimeout", res
+        assert "GPU stream has not finished all_reduce" in res[0]["error"], res[0]
+        assert "rank 1's data of slice" in res[0]["error"], res[0]
+        assert res[0]["after"] < 3 * TIMEOUT + 5, res
+        assert res[1]["type"] is not None, res          # the frozen rank fails too, by its own watch or a peer
+        reports = w.run(work.close_and_report, timeout=60)
+        for r in reports:
+            assert r["close_s"] < 8.0, reports          # CLOSE_GRACE (5 s) bounds every close
+            assert not r["violations"], reports         # nothing freed under a busy stream
+        assert reports[0]["caller_idle"], reports       # rank 0's stream was released, its caller's too
+
+
+@pytest.mark.timeout(120)
+def test_allocation_failure_is_a_ringcomm_error_and_the_peer_learns_at_once():
+    with World(2, SIM, timeout=30) as w:
+        w.run(work.install)
+        w.run(work.inject, "cudaMalloc", "cudaErrorMemoryAllocation: out of memory", ranks=[0])
+        res = w.run(work.one_call, timeout=60)
+        assert res[0]["type"] == "DeviceError", res
+        assert res[1]["after"] < 3.0, res                # at once, not at its timeout (30 s)
+        assert "cudaMalloc" in res[0]["error"] and "cudaErrorMemoryAllocation" in res[0]["error"], res
+        assert "all_reduce #1" in res[0]["error"], res
+        assert res[0]["later"] == "CommunicatorClosed", res
+        assert res[1]["type"] == "PeerFailure" and "failed to set up" in res[1]["error"], res
+
+
+@pytest.mark.timeout(120)
+def test_a_sticky_error_breaks_the_communicator_and_cleanup_does_not_hide_it():
+    with World(2, SIM, timeout=30) as w:
+        w.run(work.install)
+        assert w.run(work.one_call) == [{"type": None}] * 2
+        w.run(work.inject, "launching", "cudaErrorIllegalAddress: an illegal memory access", True, ranks=[0])
+        res = w.run(work.one_call, timeout=60)
+        assert res[0]["type"] == "DeviceError" and "cudaErrorIllegalAddress" in res[0]["error"], res
+        assert "launching" in res[0]["error"], res                 # the CUDA call is named
+        assert res[1]["type"] in ("PeerFailure", "CollectiveTimeout"), res
+        reports = w.run(work.close_and_report, timeout=60)
+        assert all(r["close_s"] < 8.0 for r in reports), reports
+
+
+@pytest.mark.timeout(60)
+def test_one_gpu_whatever_the_thread_and_clear_refusals():
+    with World(1, SIM, timeout=30) as w:
+        w.run(work.install)
+        assert w.run(work.device_checks, timeout=40) == [[]]
