@@ -137,3 +137,30 @@ def _refused(fn, words: str) -> list[str]:
     except ValueError as e:
         return [] if words in str(e) else [f"unclear refusal: {e}"]
     return [f"not refused ({words})"]
+
+
+def abort_while_connecting(comm, after: float) -> dict:
+    """A device call whose peer never comes, aborted from another thread after ``after`` seconds."""
+    from numba import cuda
+    x = cuda.to_device(np.ones(300, np.float32))
+    timer = threading.Timer(after, comm.abort)      # the stimulus, not a synchronisation
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(x)
+        return {"error": None}
+    except RingcommError as e:
+        return {"error": str(e), "after": time.monotonic() - t0}
+    finally:
+        timer.cancel()
+
+
+def lone_call(comm) -> str:
+    """A device call the other rank does not make: its timeout message (with the watchdog's table)."""
+    from numba import cuda
+    x = cuda.to_device(np.ones(300, np.float32))
+    try:
+        comm.all_reduce(x)
+    except RingcommError as e:
+        return str(e)
+    return "no error"

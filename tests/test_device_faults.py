@@ -114,3 +114,24 @@ def test_one_gpu_whatever_the_thread_and_clear_refusals():
     with World(1, SIM, timeout=30) as w:
         w.run(work.install)
         assert w.run(work.device_checks, timeout=40) == [[]]
+
+
+@pytest.mark.timeout(60)
+def test_abort_interrupts_a_device_connect_and_the_error_names_the_collective():
+    with World(2, SIM, timeout=30) as w:
+        w.run(work.install)
+        res = w.run(work.abort_while_connecting, 0.5, ranks=[0], timeout=30)[0]
+        assert res["error"] and "aborted while connecting to rank 1" in res["error"], res
+        assert "for all_reduce #1" in res["error"] and "cuda_ipc" in res["error"], res
+        assert res["after"] < 0.5 + 1.5, res            # a host call stops within ~1 s of abort(); so does this
+
+
+@pytest.mark.timeout(60)
+def test_the_watchdog_table_shows_where_a_device_call_waits():
+    with World(2, SIM, timeout=TIMEOUT) as w:
+        w.run(work.install)
+        assert w.run(work.one_call) == [{"type": None}] * 2
+        msg = w.run(work.lone_call, ranks=[0], timeout=30)[0]
+        assert "timed out" in msg and "where every rank was" in msg, msg
+        row = next(line for line in msg.splitlines() if line.strip().startswith("0 "))
+        assert "all_reduce #2" in row and "rank 1" in row, msg
