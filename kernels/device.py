@@ -23,7 +23,8 @@ Per dtype (every rule is host.py's; its docstring says why each one is NCCL's):
 
 One kernel body serves every (op, dtype); the op and the dtype's kind are closure constants, so numba
 folds the other branches away and each compiled kernel is straight-line code inside a grid-stride loop.
-Kernels compile on first use (about 0.3 s each) and stay cached per (op, dtype) in this process.
+Kernels compile on first use (about 0.3 s each), or ahead of it for explicit argument types with
+prepare(op, dtype) (the device path does so before a call's first slice), and stay cached in this process.
 
 Why no device functions: numba compiles a called @cuda.jit(device=True) function for the *current*
 device, so compile_ptx (used by the tests to build every kernel for sm_90 on machines without a GPU)
@@ -211,16 +212,37 @@ def _kernel(op_code: int, kind: int):
     return k
 
 
+def prepare(op, dt) -> None:
+    """Compile now, for their explicit argument types, the kernels a call of (op, dt) launches: a device
+    call compiles before its first slice, not in the middle of its pipeline (about 0.3 s a kernel).
+    The simulator compiles nothing."""
+    dt = np.dtype(dt)
+    kind = _kind_of(dt, op)
+    key = (op, dt)
+    if SIMULATOR or key in _prepared:
+        return
+    for code in entry_kernels("reduce", op, dt) + entry_kernels("postprocess", op, dt):
+        _kernel(code, kind).compile(kernel_source(code, dt)[1])
+    _prepared.add(key)
+
+
+_prepared: set = set()
+
+
 # --- launching ------------------------------------------------------------------------------------------
 THREADS = 32 if SIMULATOR else 256      # the simulator runs one Python thread per CUDA thread
 BLOCKS_PER_SM = 8                       # 2048 resident threads per SM / 256: one full wave
 _streams: dict = {}
+_sms: int | None = None
 
 
 def launch_config(n: int) -> tuple[int, int]:
     """(blocks, threads) for n elements: enough blocks to fill every SM once, no more than n needs;
     the grid-stride loop covers the rest, so a launch costs the same whatever the slice size."""
-    sms = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 2)    # the simulator has none
+    global _sms
+    if _sms is None:                    # asked once: the device query costs more than the launch
+        _sms = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 2)    # the simulator has none
+    sms = _sms
     return max(1, min(-(-n // THREADS), sms * BLOCKS_PER_SM)), THREADS
 
 

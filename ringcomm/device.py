@@ -55,25 +55,29 @@ class DeviceSteps:
         self.k, self.rt, self.stream = kernels, rt, stream
         self.kstream = kernels.as_stream(stream)
 
-    def apply(self, step, call, x_in, x_out, srcs, dsts, world_size) -> None:
-        k, s, launch, ks = self.k, self.stream, self.rt.launch, self.kstream
+    def apply(self, step, call, io, oo, k, srcs, dsts, world_size) -> None:
+        kn, s, launch, ks = self.k, self.stream, self.rt.launch, self.kstream
+        x_in = call.inp[io:io + k]
+        x_out = call.out[oo:oo + k] if step.copies or (step.reduces and not dsts) else None
         if not step.recvs:
             value = x_in
         elif not step.reduces:
             value = srcs[0]
+            if step.copies and dsts:    # read the peer's slot once: into the output, then on from there
+                launch(s, kn.copy, x_out, value, ks)
+                value = x_out
         else:
-            value = x_out if step.copies else dsts[0]
-            launch(s, k.reduce_copy, value, x_in, srcs[0], call.op, ks)
+            value = x_out if x_out is not None else dsts[0]
+            launch(s, kn.reduce_copy, value, x_in, srcs[0], call.op, ks)
             for extra in srcs[1:]:
-                launch(s, k.reduce, value, extra, call.op, ks)
+                launch(s, kn.reduce, value, extra, call.op, ks)
             if step.final:
-                launch(s, k.postprocess, value, call.op, world_size, ks)
-        at = address(value)
-        if step.copies and address(x_out) != at:
-            launch(s, k.copy, x_out, value, ks)
+                launch(s, kn.postprocess, value, call.op, world_size, ks)
+        if step.copies and value is not x_out and not (value is x_in and address(x_in) == address(x_out)):
+            launch(s, kn.copy, x_out, value, ks)
         for d in dsts:
-            if address(d) != at:
-                launch(s, k.copy, d, value, ks)
+            if d is not value:
+                launch(s, kn.copy, d, value, ks)
 
 
 class DeviceLinks:
@@ -136,6 +140,7 @@ class DevicePath:
                 self.watch.check(f"{call.name} #{call.seq}")
                 self.rt.event_record(self.start, caller)        # our work runs after the caller's so far
                 self.rt.stream_wait_event(self.stream, self.start)
+                self.steps.k.prepare(call.op, call.inp.dtype)     # compiled before the first slice
                 call.dev = self.steps
                 self._execute(sched, call)
                 done = self.watch.finished(self.stream, f"{call.name} #{call.seq}")

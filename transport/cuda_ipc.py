@@ -58,6 +58,15 @@ def _info(msg: str) -> None:
         sys.stderr.write(f"ringcomm: {msg}\n")
 
 
+class _Payload:
+    """What a device receive hands the executor: the payload's size, checked before typed() views it."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int):
+        self.size = size
+
+
 class _DeviceLink:
     """What both ends add to the shm link: the slots as device arrays, the flags, the stream."""
 
@@ -70,6 +79,7 @@ class _DeviceLink:
         self.waited = 0                     # the highest flag value our stream has been told to wait for
         self.registered: list = []
         self.slots: list | None = None
+        self._typed: dict = {}
         self.host_sync = _env_on("RINGCOMM_CUDA_IPC_SYNC") or not rt.mem_ops()
         words = self.seg.words
         dev = rt.host_register(words)
@@ -97,6 +107,16 @@ class _DeviceLink:
             flag.host[0] = value
         else:
             self.rt.write_value(self.stream, flag, value)
+
+    def typed(self, dtype, k: int):
+        """The first ``k`` elements of the slot in hand (the one acquire / wait returned) as ``dtype``;
+        the typed view of each (slot, dtype) is made once."""
+        i = (self.posted if isinstance(self, CudaIpcSend) else self.released) % self.nslots
+        view = self._typed.get((i, dtype))
+        if view is None:
+            slot = self.slots[i]
+            view = self._typed[(i, dtype)] = slot[: slot.size // dtype.itemsize * dtype.itemsize].view(dtype)
+        return view[:k]
 
     def _wait_flag(self, flag: Flag, value: int) -> None:
         self.waited = value
@@ -196,7 +216,7 @@ class CudaIpcRecv(_DeviceLink, ShmRecv):
         i = k % self.nslots
         if not self.host_sync:                          # ... and the stream waits for the writer's work
             self._wait_flag(self.filled, k + 1)
-        return self.slots[i][: int(self.seg.words[SIZES + i])]
+        return _Payload(int(self.seg.words[SIZES + i]))     # its data: typed(), once the size is checked
 
     def release(self) -> None:
         self._signal(self.freed, self.released + 1, self.deadline)
