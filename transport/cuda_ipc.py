@@ -275,6 +275,8 @@ class CudaIpcTransport(ShmTransport):
             if isinstance(e, CudaError):
                 raise CudaError(f"{e.call} (connecting to send to rank {peer})", e.error, e.code) from None
             raise
+        if not published["mem"]:            # the receiver can only choose STAGED: no need to wait for it
+            conn._map_slots(STAGED)
         self.links.append(conn)
         ctx.store.set(self._key(ctx.rank, peer), json.dumps(published).encode())
         return conn
