@@ -164,3 +164,14 @@ def lone_call(comm) -> str:
     except RingcommError as e:
         return str(e)
     return "no error"
+
+
+def die_after(comm, calls: int):
+    """``calls`` all_reduces, then the process ends abruptly (no close: as a SIGKILL would)."""
+    import os
+
+    from numba import cuda
+    x = cuda.to_device(np.ones(300, np.float32))
+    for _ in range(calls):
+        comm.all_reduce(x)
+    os._exit(1)

@@ -135,3 +135,19 @@ def test_the_watchdog_table_shows_where_a_device_call_waits():
         assert "timed out" in msg and "where every rank was" in msg, msg
         row = next(line for line in msg.splitlines() if line.strip().startswith("0 "))
         assert "all_reduce #2" in row and "rank 1" in row, msg
+
+
+@pytest.mark.timeout(90)
+def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline():
+    with World(3, SIM, timeout=5.0) as w:
+        w.run(work.install)
+        w.start(work.die_after, 3, ranks=[2])
+        w.start(work.call_until_error, 30.0, ranks=[0, 1])
+        w.procs[2].join(30)                 # reaped, as a launcher does: a zombie's pid still answers kill(0)
+        answers = w.collect([0, 1], 60, "call_until_error")
+        res = [answers[r][1] for r in (0, 1)]
+        assert all(a[0] == "ok" for a in answers.values()), answers
+        assert [r["type"] for r in res] == ["PeerFailure"] * 2, res  # the death noticed, not waited out
+        assert all(r["after"] < 5.0 for r in res), res            # within RINGCOMM_TIMEOUT
+        reports = w.run(work.close_and_report, ranks=[0, 1], timeout=60)
+        assert all(r["close_s"] < 8.0 and not r["violations"] for r in reports), reports
