@@ -12,7 +12,8 @@ get_future() follow it. DDP's reducer calls allreduce from C++ and waits on the 
 GIL released, so the worker runs while backward goes on.
 
 Tensors are read and written in place through numpy views of their memory (bfloat16 through
-ml_dtypes); CPU tensors only for now. What the backend does not do raises NotImplementedError
+ml_dtypes); CUDA tensors go to ringcomm's device path with ProcessGroupNCCL's stream semantics
+(ringcomm/torch_cuda.py). What the backend does not do raises NotImplementedError
 saying so. A Python ProcessGroup stands for the whole group (torch cannot take a Python backend
 for one device only), so "cpu:ringcomm,cuda:nccl" would still route CUDA tensors here.
 """
@@ -31,6 +32,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 import ringcomm
 
+from . import torch_cuda
 from .torch_support import TorchStore, Work, Worker, check_tensor, host_view, ring_op, same_kind
 
 BACKEND = "ringcomm"
@@ -189,6 +191,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     abort = shutdown
 
 
+torch_cuda.install(ProcessGroupRingcomm)  # CUDA tensors: NCCL's stream semantics (ringcomm/torch_cuda.py)
+
+
 def _create_process_group(store, rank, world_size, timeout):
     # torch passes its default 30 min when the user named no timeout: then ringcomm's own
     # (RINGCOMM_TIMEOUT, default 300 s) applies, as it does outside torch.
@@ -205,5 +210,5 @@ def _close_all() -> None:
         pg.shutdown()
 
 
-# "cuda" too, so that a CUDA tensor reaches this backend and gets its clear NotImplementedError.
+# "cuda" too: CUDA tensors run on ringcomm's device path (torch_cuda.py).
 dist.Backend.register_backend(BACKEND, _create_process_group, devices=["cpu", "cuda"])

@@ -380,3 +380,23 @@ def test_ddp_trains_the_same_on_ringcomm_and_gloo(tmp_path):
     diff = max((ring[k] - gloo[k]).abs().max().item() for k in ring)
     scale = max(v.abs().max().item() for v in gloo.values())
     assert diff <= 1e-6 * scale, f"largest parameter difference {diff}"
+
+
+def test_cuda_tensors_are_routed_to_the_device_path_and_cpu_tensors_stay(monkeypatch):
+    """ringcomm/torch_cuda.py's wiring, without a GPU: a call with a CUDA tensor goes to the CUDA variant
+    (tests/gpu/test_gpu_torch.py checks what that does on a GPU), one with CPU tensors to the host one."""
+    from ringcomm import torch_cuda
+    calls = []
+    monkeypatch.setattr(torch_cuda, "ROUTED", {name: (lambda self, *a, _n=name, **k: calls.append(("cuda", _n)))
+                                               for name in torch_cuda.ROUTED})
+    group = type("Group", (), {name: (lambda self, *a, _n=name, **k: calls.append(("host", _n)))
+                               for name in torch_cuda.ROUTED})
+    torch_cuda.install(group)
+
+    class CudaLooking(torch.Tensor):
+        is_cuda = True
+    g = group()
+    g.allreduce([torch.ones(2)])
+    g.allreduce([torch.ones(2).as_subclass(CudaLooking)])
+    g.allgather([[torch.ones(2)]], [torch.ones(2).as_subclass(CudaLooking)])
+    assert calls == [("host", "allreduce"), ("cuda", "allreduce"), ("cuda", "allgather")], calls
