@@ -124,7 +124,8 @@ class _DeviceLink:
 
     def stuck_on(self) -> str | None:
         """What our stream may be waiting for on this link, if its flag is behind: for the progress watch."""
-        flag, what = (self.filled, "data of slice") if isinstance(self, CudaIpcRecv) else (self.freed, "a free slot after slice")
+        recv = isinstance(self, CudaIpcRecv)
+        flag, what = (self.filled, "data of slice") if recv else (self.freed, "a free slot after slice")
         have = int(flag.host[0]) if self.seg.words is not None else self.waited
         if have >= self.waited:
             return None
