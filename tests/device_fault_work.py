@@ -175,3 +175,31 @@ def die_after(comm, calls: int):
     for _ in range(calls):
         comm.all_reduce(x)
     os._exit(1)
+
+
+def freeze_call_die(comm):
+    """This rank's GPU stops, its host makes one more call (the host never waits for the GPU), then the
+    process ends: the peer's stream waits for flags nobody will ever write."""
+    import os
+
+    from numba import cuda
+    fake_cuda.current().freeze()
+    comm.all_reduce(cuda.to_device(np.ones(300, np.float32)))
+    os._exit(1)
+
+
+def call_then_wait_for_the_gpu(comm) -> dict:
+    """One call whose GPU work waits on the dying peer; then the caller's stream is synchronised (it must
+    not hang), and the next call must fail naming the peer."""
+    from numba import cuda
+    rt = fake_cuda.current()
+    x = cuda.to_device(np.ones(300, np.float32))
+    comm.all_reduce(x)
+    t0 = time.monotonic()
+    rt.synchronize(0, timeout=30)                   # asserts if the caller's stream never drains
+    drained = time.monotonic() - t0
+    try:
+        comm.all_reduce(x)
+        return {"drained_s": drained, "next": None}
+    except RingcommError as e:
+        return {"drained_s": drained, "next": f"{type(e).__name__}: {e}"}

@@ -71,7 +71,7 @@ def test_a_stuck_peer_gpu_times_out_by_name_and_close_neither_hangs_nor_frees_in
         res = w.run(work.call_until_error, 30.0, timeout=60)
         assert res[0]["type"] == "CollectiveTimeout", res
         assert "GPU stream has not finished all_reduce" in res[0]["error"], res[0]
-        assert "rank 1's data of slice" in res[0]["error"], res[0]
+        assert "rank 1's data of slice" in res[0]["error"] and "signalled" in res[0]["error"], res[0]
         assert res[0]["after"] < 3 * TIMEOUT + 5, res
         assert res[1]["type"] is not None, res          # the frozen rank fails too, by its own watch or a peer
         reports = w.run(work.close_and_report, timeout=60)
@@ -151,3 +151,17 @@ def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline():
         assert all(r["after"] < 5.0 for r in res), res            # within RINGCOMM_TIMEOUT
         reports = w.run(work.close_and_report, ranks=[0, 1], timeout=60)
         assert all(r["close_s"] < 8.0 and not r["violations"] for r in reports), reports
+
+
+@pytest.mark.timeout(90)
+def test_a_peer_dying_while_our_stream_waits_for_it_does_not_hang_the_callers_stream():
+    with World(2, SIM, timeout=30) as w:
+        w.run(work.install)
+        assert w.run(work.one_call) == [{"type": None}] * 2
+        w.start(work.freeze_call_die, ranks=[1])
+        w.start(work.call_then_wait_for_the_gpu, ranks=[0])
+        w.procs[1].join(30)                 # reaped, as a launcher does: a zombie's pid still answers kill(0)
+        res = w.collect([0], 60, "call_then_wait_for_the_gpu")[0]
+        assert res[0] == "ok", res
+        assert res[1]["drained_s"] < 5.0, res           # the patrol let our stream go, long before the timeout
+        assert res[1]["next"] and "PeerFailure" in res[1]["next"] and "rank 1 died" in res[1]["next"], res

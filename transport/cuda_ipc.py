@@ -129,12 +129,16 @@ class _DeviceLink:
         have = int(flag.host[0]) if self.seg.words is not None else self.waited
         if have >= self.waited:
             return None
-        return (f"rank {self.peer}'s {what} {have} of this link (its GPU has written {have} of the "
-                f"{self.waited} this stream waits for)")
+        return (f"rank {self.peer}'s {what} {have} on this link (its GPU has signalled {have} of the "
+                f"{self.waited} our stream waits for)")
 
     def waited_flag(self) -> Flag | None:
         """The flag our stream may wait on (None if it never waited on one)."""
         return (self.filled if isinstance(self, CudaIpcRecv) else self.freed) if self.waited else None
+
+    def peer_dead(self) -> bool:
+        words = self.seg.words
+        return words is not None and not _pid_alive(int(words[self._peer_pid_word]))
 
     def peer_cannot_write(self) -> bool:
         """The peer will never write its flag again: it died, or closed its end."""
