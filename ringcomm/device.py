@@ -53,7 +53,10 @@ class DeviceSteps:
 
     def __init__(self, kernels, rt, stream: int):
         self.k, self.rt, self.stream = kernels, rt, stream
-        self.kstream = kernels.as_stream(stream)
+        try:
+            self.kstream = kernels.as_stream(stream)        # numba's handle on our stream, made once
+        except Exception as e:  # noqa: BLE001 - numba's CudaAPIError: a CudaError, named
+            raise CudaError("numba.cuda.external_stream", f"{type(e).__name__}: {e}") from e
 
     def apply(self, step, call, io, oo, k, srcs, dsts, world_size) -> None:
         kn, s, launch, ks = self.k, self.stream, self.rt.launch, self.kstream
@@ -124,13 +127,13 @@ class DevicePath:
             self.device = self.rt.get_device()
             self.stream = self.rt.stream_create()
             self.start = self.rt.event_create()
+            self.steps = DeviceSteps(kernels, self.rt, self.stream)
         except CudaError as e:
             raise DeviceError(f"rank {self.rank} (this process) could not set up its device path: {e}", e) from None
         slot_bytes = cuda_slot_bytes(host.nslots)
         self.links = DeviceLinks(links, slot_bytes, self.stream)
         self.executor = Executor(host.rank, host.world_size, self.links, host.timeout, slot_bytes, host.nslots)
         self.executor.watchdog = host.watchdog
-        self.steps = DeviceSteps(kernels, self.rt, self.stream)
         self.watch = ProgressWatch(self.rt, host.rank, host.timeout, self.links, links.ctx.abort)
 
     def run(self, sched, call) -> None:
@@ -140,7 +143,7 @@ class DevicePath:
                 self.watch.check(f"{call.name} #{call.seq}")
                 self.rt.event_record(self.start, caller)        # our work runs after the caller's so far
                 self.rt.stream_wait_event(self.stream, self.start)
-                self.steps.k.prepare(call.op, call.inp.dtype)     # compiled before the first slice
+                self._prepare(call)
                 call.dev = self.steps
                 self._execute(sched, call)
                 done = self.watch.finished(self.stream, f"{call.name} #{call.seq}")
@@ -148,6 +151,15 @@ class DevicePath:
         except CudaError as e:
             raise DeviceError(f"rank {self.rank} (this process) failed in {call.name} #{call.seq} on "
                               f"cuda:{self.device}: {e}", e) from None
+
+    def _prepare(self, call) -> None:
+        """Compile the call's kernels before its first slice; a compiler or driver failure is a CudaError."""
+        try:
+            self.steps.k.prepare(call.op, call.inp.dtype)
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - numba's NvvmError, CudaAPIError, ...: named, not raw
+            raise CudaError(f"compiling the {call.op} kernels for {call.inp.dtype}", f"{type(e).__name__}: {e}") from e
 
     def _execute(self, sched, call) -> None:
         """The executor's run, with the watchdog asking the device executor where this rank is."""

@@ -182,9 +182,12 @@ class CupyRuntime(Runtime):
         self._call("cudaHostUnregister", self.rt.hostUnregister, host.__array_interface__["data"][0])
 
     def view(self, ptr, nbytes, host=None):
-        return self.cuda.from_cuda_array_interface(
-            {"shape": (nbytes,), "strides": None, "typestr": "|u1", "version": 3, "data": (ptr, False)},
-            owner=None, sync=False)
+        try:
+            return self.cuda.from_cuda_array_interface(
+                {"shape": (nbytes,), "strides": None, "typestr": "|u1", "version": 3, "data": (ptr, False)},
+                owner=None, sync=False)
+        except Exception as e:  # noqa: BLE001 - numba's CudaAPIError (no context, a bad pointer): named
+            raise CudaError("numba.cuda.from_cuda_array_interface", f"{type(e).__name__}: {e}") from None
 
     # work on a stream
     def launch(self, stream, fn, *args):
