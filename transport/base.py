@@ -76,6 +76,20 @@ class LinkContext:
     spins: int = 200
 
 
+def process_gone(pid: int) -> bool:
+    """True when no process ``pid`` runs on this host: absent, or a zombie (/proc/PID/stat state
+    Z or X). A SIGKILLed rank stays a zombie until its parent reaps it (a test harness, or a
+    launcher that is slow to wait()), and kill(pid, 0) succeeds on a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the name in () may hold spaces
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False  # no /proc here: nothing proven
+    return state in ("Z", "X")
+
+
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
 
 

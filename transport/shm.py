@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from .base import (PATROL_PERIOD, Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
-                   SendConnection, Transport, wait_key)
+                   SendConnection, Transport, process_gone, wait_key)
 
 MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
 HDR = 4096
@@ -86,7 +86,7 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    return not process_gone(pid)
 
 
 class _Segment:
