@@ -19,7 +19,8 @@ its bits depend only on the multiset of the ranks' tensors. Other reductions (MI
 integer dtypes) run as before: MIN, MAX and integer sums are order-independent already.
 
 Tensors are read and written in place through numpy views of their memory (bfloat16 through
-ml_dtypes); CPU tensors only for now. What the backend does not do raises NotImplementedError
+ml_dtypes); CUDA tensors go to ringcomm's device path with ProcessGroupNCCL's stream semantics
+(ringcomm/torch_cuda.py). What the backend does not do raises NotImplementedError
 saying so. A Python ProcessGroup stands for the whole group (torch cannot take a Python backend
 for one device only), so "cpu:ringcomm,cuda:nccl" would still route CUDA tensors here.
 """
@@ -40,7 +41,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 import ringcomm
 
 from . import torch_collectives as colls
-from . import torch_groups
+from . import torch_cuda, torch_groups
 from .torch_p2p import P2PBatch
 from .torch_support import TorchStore, Work, check_tensor, host_view, ring_op, same_kind
 
@@ -283,6 +284,9 @@ def _flag(name: str, default: bool, what: str) -> bool:
     return default if raw == "" else raw == "1"
 
 
+torch_cuda.install(ProcessGroupRingcomm)  # CUDA tensors: NCCL's stream semantics (ringcomm/torch_cuda.py)
+
+
 def _create_process_group(store, rank, world_size, timeout):
     # torch passes its default 30 min when the user named no timeout: then ringcomm's own
     # (RINGCOMM_TIMEOUT, default 300 s) applies, as it does outside torch.
@@ -299,6 +303,6 @@ def _close_all() -> None:
         pg.shutdown()
 
 
-# "cuda" too, so that a CUDA tensor reaches this backend and gets its clear NotImplementedError.
+# "cuda" too: CUDA tensors run on ringcomm's device path (torch_cuda.py).
 split_group = torch_groups.split_group
 dist.Backend.register_backend(BACKEND, _create_process_group, devices=["cpu", "cuda"])

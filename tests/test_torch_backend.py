@@ -635,3 +635,23 @@ def test_device_mesh_dtensor_and_two_fsdp2_steps(tmp_path):
                        env=_launch_env(), capture_output=True, text=True, timeout=190, stdin=subprocess.DEVNULL)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert r.stdout.count("fsdp2 matches") == 2, r.stdout
+
+
+def test_cuda_tensors_are_routed_to_the_device_path_and_cpu_tensors_stay(monkeypatch):
+    """ringcomm/torch_cuda.py's wiring, without a GPU: a call with a CUDA tensor goes to the CUDA variant
+    (tests/gpu/test_gpu_torch.py checks what that does on a GPU), one with CPU tensors to the host one."""
+    from ringcomm import torch_cuda
+    calls = []
+    monkeypatch.setattr(torch_cuda, "ROUTED", {name: (lambda self, *a, _n=name, **k: calls.append(("cuda", _n)))
+                                               for name in torch_cuda.ROUTED})
+    group = type("Group", (), {name: (lambda self, *a, _n=name, **k: calls.append(("host", _n)))
+                               for name in torch_cuda.ROUTED})
+    torch_cuda.install(group)
+
+    class CudaLooking(torch.Tensor):
+        is_cuda = True
+    g = group()
+    g.allreduce([torch.ones(2)])
+    g.allreduce([torch.ones(2).as_subclass(CudaLooking)])
+    g.allgather([[torch.ones(2)]], [torch.ones(2).as_subclass(CudaLooking)])
+    assert calls == [("host", "allreduce"), ("cuda", "allreduce"), ("cuda", "allgather")], calls

@@ -17,6 +17,7 @@ import pytest
 import jobs
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts.py")
+DEVICE_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts_device.py")
 SHRINK = os.path.join(os.path.dirname(__file__), "scripts", "shrink_two_hosts.py")
 SUBNET = "10.250.{}.{}"  # addresses live only on this test's own veth pair
 
@@ -50,19 +51,26 @@ def two_hosts():
             _ip("netns", "delete", ns, check=False)
 
 
+DEVICE = {"NUMBA_ENABLE_CUDASIM": "1", "RINGCOMM_CUDA_BUFFSIZE": "4096", "RINGCOMM_NSLOTS": "4"}
+
+
 @pytest.mark.netns
 @pytest.mark.timeout(120)
-def test_two_hosts_over_veth(two_hosts):
+@pytest.mark.parametrize("buffers", ["host", "device"])
+def test_two_hosts_over_veth(two_hosts, buffers):
+    """Host buffers, and device buffers under numba's CUDA simulator (staged over tcp between the hosts)."""
     (ns_a, dev_a, addr_a), (ns_b, _, _) = two_hosts
     token = secrets.token_hex(8)
     procs = []
+    script = SCRIPT if buffers == "host" else DEVICE_SCRIPT
     for node, ns in enumerate((ns_a, ns_b)):
         env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_TIMEOUT="30",
-                   RINGCOMM_JOB_ID=f"veth{node}{token[:6]}", RINGCOMM_BUFFSIZE="65536")
+                   RINGCOMM_JOB_ID=f"veth{node}{token[:6]}", RINGCOMM_BUFFSIZE="65536",
+                   **(DEVICE if buffers == "device" else {}))
         if node == 0:
             env["RINGCOMM_SOCKET_IFNAME"] = dev_a  # one side by interface name, the other by route
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "2", "--nnodes", "2",
-               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29517", "--grace", "5", SCRIPT]
+               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29517", "--grace", "5", script]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
