@@ -1,6 +1,6 @@
 """CUDA tensors in the torch.distributed backend, with ProcessGroupNCCL's stream semantics.
 
-ringcomm.torch runs a group's calls on one worker thread. For CUDA tensors, the order on the GPU must be
+ringcomm.torch runs a group's calls on its communicator's progress thread. For CUDA tensors, the order on the GPU must be
 the caller's, although the work is queued from another thread:
 
 - at call time, in the caller's thread, an event is recorded on the caller's current stream of the
@@ -30,9 +30,13 @@ from .torch_support import REDUCIBLE, Work, ring_op
 
 
 class CudaWork(Work):
-    def __init__(self, worker, name, seq, outputs, device):
-        super().__init__(worker, name, seq, outputs)
-        self.device, self.end = device, None
+    def __init__(self, inner, outputs, device, end):
+        super().__init__(inner, outputs)
+        self.device, self._end = device, end  # end: a one-item list the progress thread fills
+
+    @property
+    def end(self):
+        return self._end[0]
 
     def wait(self, timeout=timedelta(0)) -> bool:
         super().wait(timeout)               # the worker has queued the call (or raised its error)
@@ -72,17 +76,16 @@ def _run(pg, name: str, tensors: list, outputs: list, body):
     side = _stream(pg, dev)
     for t in tensors:
         t.record_stream(side)
-    pg._seq += 1
-    work = CudaWork(pg._worker, name, pg._seq, outputs, dev)
+    end = [None]
 
     def run():
         with torch.cuda.device(dev), torch.cuda.stream(side):
             side.wait_event(ready)
             body()
-            end = torch.cuda.Event()
-            end.record(side)
-            work.end = end
-    return pg._worker.submit(work, run)
+            end[0] = torch.cuda.Event()
+            end[0].record(side)
+    pg._p2p.flush()  # held p2p calls were issued first, so they run first
+    return CudaWork(pg.comm._progress.submit(name, run), outputs, dev, end)
 
 
 def _stream(pg, dev):
