@@ -37,7 +37,7 @@ FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source ro
 # The control block: what the call passes in, and (NEXT, STATUS, CONN) what the loop hands back.
 NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC = range(12)
 CTL_SIZE = 12
-DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE = range(5)
+DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE, WAKE = range(6)
 SPIN_ROUND_S = 200e-6
 # Connection table columns: the segment's header words, its first slot, this end's counter.
 WORDS, SLOTS, COUNT = range(3)
@@ -99,9 +99,27 @@ def _run(plan, conns, ctl, inp_array, out):
             conns[c, COUNT] += 1
             native_sync.store_release(conns[c, WORDS] + 8 * shm.POSTED, conns[c, COUNT])
         i += 1
+        if _peer_sleeps(row, conns, nsrc, ndst, maxsrc):
+            return _stop(ctl, i, WAKE, i - 1)   # Python wakes it (futex), then calls again from i
         if native_sync.cycles() - t0 > ctl[BUDGET] and i < plan.shape[0]:
             return _stop(ctl, i, YIELD, -1)
     return _stop(ctl, i, DONE, -1)
+
+
+def _peer_sleeps(row, conns, nsrc, ndst, maxsrc):
+    """Whether a peer of this row sleeps on a counter the row just moved (transport/futex.py). The
+    fence keeps the flags' loads after the counters' stores: without it a peer that went to sleep
+    just then could miss its wake-up until its sleep times out."""
+    if nsrc + ndst == 0:
+        return False
+    native_sync.fence()
+    for j in range(nsrc):
+        if native_sync.load_acquire(conns[row[PEERS + j], WORDS] + 8 * shm.SEND_SLEEPS):
+            return True
+    for j in range(ndst):
+        if native_sync.load_acquire(conns[row[PEERS + maxsrc + j], WORDS] + 8 * shm.RECV_SLEEPS):
+            return True
+    return False
 
 
 def _move(row, conns, ctl, inp, out):
@@ -159,7 +177,7 @@ def kernel():
             native_reduce, native_avg = native_kernels.compiled()
             jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
             g = globals()
-            for name in ("_wait_above", "_slot", "_stop", "_copy", "_move"):
+            for name in ("_wait_above", "_slot", "_stop", "_copy", "_move", "_peer_sleeps"):
                 g[name] = jit(g[name])
             _drop_stale_cache()
             _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
@@ -291,6 +309,9 @@ class NativeEngine:
             status = ctl[STATUS]
             if status == YIELD:
                 continue
+            if status == WAKE:
+                self._wake(plan.table[ctl[CONN]], plan.maxsrc)
+                continue
             if status != BAD_SIZE and rounds < self.rounds:
                 if ctl[NEXT] != where:          # progress since the last round: a new wait
                     rounds, where = 0, ctl[NEXT]
@@ -307,6 +328,14 @@ class NativeEngine:
             else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
                 x._wait(conn.peer, conn, call, entry[5], entry[8])
         return True
+
+    def _wake(self, row, maxsrc) -> None:
+        """Wake the peers of a finished row that sleep on the counters it moved."""
+        for j in range(row[NSRC]):
+            self.objs[row[PEERS + j]].wake_peer()
+        for j in range(row[NDST]):
+            self.objs[row[PEERS + maxsrc + j]].wake_peer()
+
 
 def warm(dtypes=None) -> None:
     """Compile (or load from numba's disk cache) the loop for these dtypes, default every one the

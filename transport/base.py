@@ -192,18 +192,27 @@ class Backoff:
     rank holds a core the rank it waits for may need. Spinning first keeps the
     common, fast hand-off (under a microsecond through shared memory) cheap; a
     blocking wake-up across cores costs ~100 us here, so sleeping comes last.
+    ``block(seconds)``, where given, is the sleep: the shm transport passes a futex
+    wait on the counter it waits for, which the peer's post ends early.
     """
 
     SPINS = 200  # the default; LinkContext.spins sets it per communicator
     YIELDS = 2000
     MAX_SLEEP = 1e-3
 
-    __slots__ = ("n", "pause", "spins")
+    __slots__ = ("n", "pause", "spins", "block")
 
-    def __init__(self, spins: int = SPINS) -> None:
+    def __init__(self, spins: int = SPINS, block=None) -> None:
         self.n = 0
         self.pause = 2e-5
         self.spins = spins
+        self.block = block or time.sleep
+
+    def stage(self, n: int) -> str:
+        """What the n-th call (from 1) does: "spin", "yield" or "sleep"."""
+        if n <= self.spins:
+            return "spin"
+        return "yield" if n <= self.spins + self.YIELDS else "sleep"
 
     def __call__(self) -> None:
         self.n += 1
@@ -212,5 +221,5 @@ class Backoff:
         if self.n <= self.spins + self.YIELDS:
             os.sched_yield()
             return
-        time.sleep(self.pause)
+        self.block(self.pause)
         self.pause = min(self.pause * 2, self.MAX_SLEEP)
