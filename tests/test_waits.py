@@ -13,14 +13,16 @@ def test_backoff_stages_spin_then_yield_then_sleep():
     b = Backoff(spins=3)
     assert [b.stage(n) for n in (1, 3, 4, 3 + Backoff.YIELDS, 4 + Backoff.YIELDS)] == \
         ["spin", "spin", "yield", "yield", "sleep"]
-    # oversubscribed (spins=0): never a busy poll, the first wait already yields the core
-    assert Backoff(spins=0).stage(1) == "yield"
+    # oversubscribed (spins=0): never a busy poll, and only a short run of yields before sleeping
+    shared = Backoff(spins=0)
+    assert [shared.stage(n) for n in (1, Backoff.YIELDS_SHARED, Backoff.YIELDS_SHARED + 1)] == \
+        ["yield", "yield", "sleep"]
 
 
 def test_backoff_sleeps_through_block_with_growing_pauses():
     pauses = []
     b = Backoff(spins=0, block=pauses.append)
-    for _ in range(Backoff.YIELDS + 8):
+    for _ in range(Backoff.YIELDS_SHARED + 8):
         b()
     assert pauses[0] == 2e-5 and pauses == sorted(pauses) and pauses[-1] == Backoff.MAX_SLEEP
 
