@@ -1,4 +1,5 @@
 """The wait policy: spin, yield, then a futex sleep that the peer's post ends (transport/futex.py)."""
+import os
 import threading
 import time
 
@@ -58,11 +59,36 @@ def test_futex_wait_returns_at_once_when_the_word_already_moved():
     assert time.monotonic() - t0 < 5
 
 
-def _until_asleep(tid: int, limit: float = 10.0) -> None:
-    """Poll /proc until thread ``tid`` is in an interruptible sleep (state S)."""
+def _until_asleep(tid: int, limit: float = 20.0, proc: str = "") -> None:
+    """Poll /proc until thread ``tid`` (or the process whose stat file is ``proc``) is in an
+    interruptible sleep (state S)."""
     end = time.monotonic() + limit
     while time.monotonic() < end:
-        with open(f"/proc/self/task/{tid}/stat") as f:
+        with open(proc or f"/proc/self/task/{tid}/stat") as f:
             if f.read().rsplit(")", 1)[1].split()[0] == "S":
                 return
     raise AssertionError(f"thread {tid} never went to sleep in futex(2)")
+
+
+def test_a_runnable_peer_on_this_cpu_is_seen_waiting_for_it():
+    import subprocess
+    import sys
+
+    from ringcomm.transport.base import waits_for_my_cpu
+    cpu = min(os.sched_getaffinity(0))
+    busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile 1: pass"])
+    idle = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    mask = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})       # this thread and the busy peer now share one CPU
+        end, seen = time.monotonic() + 20, False
+        while not seen and time.monotonic() < end:  # until the peer has pinned itself and spins
+            seen = waits_for_my_cpu(busy.pid)
+        assert seen, "a busy peer pinned to this CPU was never seen waiting for it"
+        _until_asleep(idle.pid, proc=f"/proc/{idle.pid}/stat")
+        assert not waits_for_my_cpu(idle.pid)  # asleep in read(): giving it the core helps nothing
+    finally:
+        os.sched_setaffinity(0, mask)
+        for p in (busy, idle):
+            p.kill()
+            p.wait(10)

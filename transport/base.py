@@ -90,6 +90,34 @@ def process_gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def _getcpu():
+    try:
+        import ctypes
+        fn = ctypes.CDLL(None).sched_getcpu
+        fn.restype = ctypes.c_int
+        return fn
+    except (OSError, AttributeError):
+        return None
+
+
+_sched_getcpu = _getcpu()
+
+
+def waits_for_my_cpu(pid: int) -> bool:
+    """True when process ``pid`` is runnable ("R") and was last placed on the CPU this thread runs
+    on: it waits for this very core, so spinning here only delays it. (A peer on another core, or
+    asleep, is not helped by giving up this core.) False where /proc or sched_getcpu is missing."""
+    if _sched_getcpu is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    # fields[0] is field 3 (state) of proc(5); field 39 (processor) is fields[36]
+    return len(fields) > 36 and fields[0] == "R" and int(fields[36]) == _sched_getcpu()
+
+
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
 
 

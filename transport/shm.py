@@ -193,6 +193,10 @@ class _Link:
         acquire again."""
         return self.seg.base, self.seg.base + HDR
 
+    def peer_pid(self) -> int:
+        """The peer's pid as it wrote it into the segment (0 until it has attached)."""
+        return int(self.seg.words[self._peer_pid_word])
+
     def _check_peer(self, what: str) -> None:
         words = self.seg.words
         if words[self._peer_closed_word]:
