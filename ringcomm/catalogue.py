@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import direct, recursive, ring, tree
+from .schedule import direct, onecopy, recursive, ring, tree
 from .schedule.step import Schedule
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
@@ -25,6 +25,12 @@ ALGOS: dict[str, dict] = {
     "broadcast": {"ring": ring.ring_broadcast, "tree": tree.tree_broadcast, "binomial": direct.binomial_broadcast},
     "reduce": {"ring": ring.ring_reduce, "tree": tree.tree_reduce, "binomial": direct.binomial_reduce},
 }
+# One-copy algorithms on registered buffers (comm.alloc); automatic choice takes them exactly when
+# buf and out come from comm.alloc (ringcomm/registered.py), and they refuse other buffers.
+for _coll, _make in (("all_reduce", onecopy.read_all_reduce), ("reduce_scatter", onecopy.read_reduce_scatter),
+                     ("all_gather", onecopy.read_all_gather), ("broadcast", onecopy.read_broadcast),
+                     ("reduce", onecopy.read_reduce)):
+    ALGOS[_coll][onecopy.ALGO] = _make
 
 
 def check_collective(collective: str) -> None:

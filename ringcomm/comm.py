@@ -13,6 +13,7 @@ from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
 from .ops import SUM, as_op
+from .registered import settle
 from .schedule import p2p
 
 class Communicator:
@@ -35,6 +36,7 @@ class Communicator:
         self._check = check.enabled()
         self._auto: dict = {}  # (collective, size band) -> the algorithm automatic choice picked
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
+        self._registry = None  # ringcomm.registered.Registry, made by the first alloc()
 
     # ---- collectives -------------------------------------------------------------------------
 
@@ -99,6 +101,20 @@ class Communicator:
         self._fingerprint("barrier", "dissemination", token, token.size, "sum", None, seq)
         self._execute(p2p.barrier(self.rank, self.world_size), Call("barrier", seq, token, token, 1))
 
+    def alloc(self, shape, dtype=np.float32) -> np.ndarray:
+        """A zeroed numpy array in shared memory that this host's other ranks map: collectives on
+        buffers from alloc read the peers' memory directly (one copy instead of two; algorithm
+        "read"). A collective call: every rank calls it, in the same order, with the same shape
+        and dtype. The array stays shared until close(); after that it is private memory of this
+        process. With peers on other hosts (or one rank) it is an ordinary array."""
+        if self._closed or self._broken is not None:
+            self._next_seq()  # raises: the communicator is closed or unusable
+        if self._registry is None:
+            from .registered import Registry
+            self._registry = self._executor.registered = Registry(self.rank, self.world_size, self._links,
+                                                                  self.timeout)
+        return self._registry.alloc(shape, dtype)
+
     def transport_to(self, peer) -> str:
         """The transport that joins this rank to ``peer`` for host buffers: "shm" on this host,
         else "ibverbs" where both ends have an RDMA device, else "tcp" (device buffers use
@@ -126,6 +142,8 @@ class Communicator:
         self._links.close()
         if self._device is not None:
             self._device.close()
+        if self._registry is not None:
+            self._registry.close()
         if self.world_size > 1:
             self._leave_store()
         if self._owns_store:
@@ -155,7 +173,8 @@ class Communicator:
     # ---- the work ------------------------------------------------------------------------------
 
     def _run(self, collective, algo, x, y, m, op, root, nbytes):
-        algo = self._pick_algo(collective, algo, nbytes)
+        auto = algo is None and self._forced_algo in ("", "read")  # RINGCOMM_ALGO=read: where it can
+        algo = settle(self._registry, collective, self._pick_algo(collective, algo, nbytes), auto, x, y)
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
         seq = self._next_seq()
         self._fingerprint(collective, algo, x, m, op, root, seq)

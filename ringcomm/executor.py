@@ -49,10 +49,13 @@ class Executor:
         # Where this rank is, for the watchdog's table: plain attributes, cheap to keep current.
         self._call, self._step, self._nsteps, self._waiting = None, 0, 0, None
         self._plans: dict = {}  # (id(schedule), item size, count) -> (schedule, slice plan), see _plan
+        self.registered = None  # ringcomm.registered.Registry, once comm.alloc() was called
 
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:
             return
+        if sched.registered:  # reads peers' registered buffers: ringcomm/registered.py (Python engine only)
+            return self.registered.run(self, sched, call)
         self.links.call = call  # named in connect errors
         # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
         # alive and is checked, so a recycled id can never return another schedule's plan.

@@ -79,6 +79,29 @@ class LinkContext:
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs. A process that died but that its parent has not reaped
+    yet (a zombie, state Z; or X while it is being reaped) still answers kill(pid, 0), so the
+    state letter in /proc/PID/stat decides; it follows the command name, which is in parentheses
+    and may itself hold spaces and parentheses, hence the last ')'."""
+    if pid <= 0:
+        return True  # not attached yet: nothing to say
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists; /proc still tells a zombie
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        return False  # reaped between the two looks
+    except OSError:
+        return True   # no /proc here: kill(pid, 0) is all there is
+    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+
+
 def wait_key(ctx: LinkContext, key: str, deadline: float, peer: int, transport: str) -> bytes:
     """A store key the peer publishes, waited for in short pieces so that an abort or the
     watchdog is heard while connecting too (the store's own wait hears neither)."""

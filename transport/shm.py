@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from .base import (PATROL_PERIOD, Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
-                   SendConnection, Transport, wait_key)
+                   SendConnection, Transport, pid_alive, wait_key)
 
 MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
 HDR = 4096
@@ -60,6 +60,22 @@ def unlink_named() -> None:
         _NAMED.discard(path)
 
 
+def track(path: str) -> None:
+    """Count a segment this process created (outside this module: ringcomm/registered.py) among
+    the names unlink_named removes."""
+    _NAMED.add(path)
+
+
+def unlink_tracked(path: str) -> None:
+    """Unlink a tracked name now (peers that mapped the segment keep it)."""
+    if path in _NAMED:
+        _NAMED.discard(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def remove_stale(job: str) -> list[str]:
     """Remove segments of ``job`` whose creator (the pid in the name) is dead: what a
     SIGKILLed rank of an earlier run left behind."""
@@ -77,16 +93,7 @@ def remove_stale(job: str) -> list[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not attached yet: nothing to say
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_pid_alive = pid_alive  # the name cuda_ipc.py imports
 
 
 class _Segment:
@@ -162,6 +169,13 @@ class _Link:
                 raise PeerTimeout(f"waiting for {what} rank {self.peer} over {self.transport}",
                                   peer=self.peer, transport=self.transport)
 
+    def _words(self) -> np.ndarray:
+        words = self.seg.words
+        if words is None:
+            raise Aborted(f"the {self.transport} link to rank {self.peer} was closed by this process",
+                          peer=self.peer, transport=self.transport)
+        return words
+
     def _check_peer(self, what: str) -> None:
         words = self.seg.words
         if words[self._peer_closed_word]:
@@ -179,19 +193,28 @@ class ShmSend(_Link, SendConnection):
         seg.words[SENDER_PID] = os.getpid()
         self.posted = 0  # our own copy: only we write POSTED
         self.unlinked = False
+        self.held = False  # a slot acquired and not yet posted
 
     def acquire(self, deadline: float) -> np.ndarray:
-        words = self.seg.words
+        words = self._words()
+        if self.held:
+            raise RuntimeError("acquire() called again before post()")
         if not self.unlinked and words[RECEIVER_PID]:
             self.seg.unlink()  # both ends are mapped: the name is no longer needed
             self.unlinked = True
         limit = self.posted - self.nslots
         if words[RELEASED] <= limit:
             self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from")
+        self.held = True
         return self.seg.slots[self.posted % self.nslots]
 
     def post(self, nbytes: int) -> None:
-        words = self.seg.words
+        words = self._words()
+        if not self.held:
+            raise RuntimeError("post() without a slot from acquire()")
+        if not 0 <= nbytes <= self.slot_bytes:
+            raise ValueError(f"post({nbytes}): a slot holds 0..{self.slot_bytes} bytes")
+        self.held = False
         words[SIZES + self.posted % self.nslots] = nbytes
         self.posted += 1
         words[POSTED] = self.posted  # after the data and the size: see the TSO note above
@@ -208,16 +231,23 @@ class ShmRecv(_Link, RecvConnection):
         super().__init__(ctx, peer, seg, SENDER_PID, CLOSED)
         seg.words[RECEIVER_PID] = os.getpid()
         self.released = 0
+        self.held = False  # a slot returned by wait() and not yet released
 
     def wait(self, deadline: float) -> np.ndarray:
-        words = self.seg.words
+        words = self._words()
+        if self.held:
+            raise RuntimeError("wait() called again before release()")
         want = self.released
         if words[POSTED] <= want:
             self._wait(lambda: words[POSTED] > want, deadline, "the next slice from")
         i = want % self.nslots
+        self.held = True
         return self.seg.slots[i][: int(words[SIZES + i])]
 
     def release(self) -> None:
+        if not self.held:
+            raise RuntimeError("release() without a slot from wait()")
+        self.held = False
         self.released += 1
         self.seg.words[RELEASED] = self.released
 

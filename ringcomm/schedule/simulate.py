@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from . import peer_read
 from .step import OWN, Schedule, Step
 
 
@@ -124,6 +125,7 @@ def _validate(schedules: list[Schedule]) -> int:
                                     f"(n={n}, nchunks={nchunks})")
             if len(st.src) > 1 and not st.reduces:
                 raise ScheduleError(f"rank {r} step {i} {st}: receives from several peers without reducing")
+    peer_read.validate(schedules, ScheduleError)  # steps that read registered buffers
     return n
 
 
@@ -194,6 +196,8 @@ class _Sim:
         took or acquired before waiting stays taken, as in the executor; that enables no other
         rank (only posting and releasing do, in _compute), so run() need not count it as a move."""
         step, me = st.sched.steps[st.index], st.sched.rank
+        if step.remote and not peer_read.advance(self, st, step):  # reads a registered buffer, or syncs
+            return False
         while len(st.got) < len(step.src):
             c = self.conn(step.src[len(st.got)], me)
             if not c.queue:
@@ -217,6 +221,8 @@ class _Sim:
         where = st.where()
         own = (me, me) if s.in_layout == OWN else (me, step.chunk)
         value = Sym((own,), own) if not step.recvs or step.reduces else st.got[0].value
+        if step.remote:
+            value = peer_read.value(self, st, step, where)
         for msg in st.got:
             st.known |= msg.known
             if step.reduces:
@@ -248,7 +254,9 @@ class _Sim:
                 lines.append(f"rank {st.sched.rank}: finished")
                 continue
             step, me = st.sched.steps[st.index], st.sched.rank
-            if len(st.got) < len(step.src):
+            if step.remote:
+                wait = peer_read.waiting(self, st, step)[1]
+            elif len(st.got) < len(step.src):
                 peer = step.src[len(st.got)]
                 wait = f"waits for a slice from rank {peer} (FIFO {peer}->{me} is empty)"
                 if self.ranks[peer].done:

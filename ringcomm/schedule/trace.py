@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from . import peer_read
 from .simulate import ScheduleError, _Sim
 
 
@@ -69,7 +70,9 @@ class TracingSim(_Sim):
             if st.done:
                 continue
             step, me = st.sched.steps[st.index], st.sched.rank
-            if len(st.got) < len(step.src):
+            if step.remote:  # a read of a registered buffer, or a sync (schedule/peer_read.py)
+                waits[me] = peer_read.waiting(self, st, step)
+            elif len(st.got) < len(step.src):
                 peer = step.src[len(st.got)]
                 if self.ranks[peer].done:
                     raise ScheduleError(f"{st.where()} waits for a slice from rank {peer}, "

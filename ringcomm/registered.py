@@ -1,0 +1,352 @@
+"""Registered buffers: ``comm.alloc`` memory that the host's other ranks map, and the one-copy engine.
+
+The host twin of CUDA IPC and of NCCL's ncclMemAlloc plus window registration. ``alloc`` is a
+*collective* call: every rank calls it, in the same order, with the same shape and dtype (NCCL's
+symmetric windows ask the same), so the k-th allocation of every rank is known to all: each rank
+creates a /dev/shm segment (mode 0600), publishes its name in the store and maps every peer's.
+Collectives whose buffers all lie in such segments run the "read" algorithms
+(schedule/onecopy.py): each rank reads its peers' buffers directly, one copy instead of two.
+
+Synchronisation goes through one small *control* segment per rank, written only by its owner and
+read by its peers (int64 words, each published by a plain store after what it announces: x86
+keeps stores in order, as transport/shm.py explains and checks):
+
+    CALLS        registered calls this rank has entered; the descriptor below belongs to the last
+    DESC..+3     where this call's input and output are: (allocation index, byte offset) each
+    SYNC + p     syncs this rank has reached with rank p (step kind "sync"), for the whole run
+    PID, CLOSED  liveness, as in transport/shm.py; MAPPED: allocations whose peers this rank mapped
+
+A read of peer q's input waits until q's CALLS reaches this call (q has entered it and its
+descriptor is valid); a sync waits until each peer's SYNC count for this rank catches up. Every
+schedule ends with a sync with each peer it read, so no rank returns (and lets its caller
+overwrite the buffer) while a peer still reads it. Every wait has the communicator's deadline,
+hears abort(), checks the peer's pid (a zombie counts as dead) and feeds the watchdog.
+
+Lifetime: an allocation stays shared until ``comm.close()``. After that the array stays valid
+memory of this process (the mapping lives as long as the array does), but it is private: the
+peers have unmapped it and its name is gone from /dev/shm. Segment names are unlinked as soon as
+every peer has mapped them, and in any case on close, at exit and on SIGTERM (shm.unlink_named).
+
+The engine is Python (numpy over whole chunks, cut into cache-sized pieces where it reduces);
+the native engine does not run these steps.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+
+import numpy as np
+
+from ringcomm.kernels import host as kernels
+from ringcomm.transport.base import PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key
+
+from .buffers import address
+from .errors import CollectiveTimeout, RingcommError
+from .schedule.onecopy import ALGO
+from .schedule.step import chunk_span
+
+MAGIC = 0x52434D5247310001  # "RCMRG1", layout version 1
+PID, CLOSED, CALLS, MAPPED, DESC, SYNC = 1, 2, 3, 4, 8, 16
+PIECE_BYTES = 256 * 1024     # a reduction works on pieces this big, so repeated passes stay in L2
+_serial = 0                  # segments this process has created
+
+
+def settle(reg, collective: str, algo: str, auto: bool, x, y) -> str:
+    """The algorithm to run. Chosen automatically: "read" exactly when buf and out are registered
+    (never on other buffers: a forced RINGCOMM_ALGO=read falls back to the ring there). Asked for
+    by name: "read" on buffers that are not registered is a ValueError."""
+    held = reg is not None and reg.holds(x, y)
+    if auto:
+        return ALGO if held else ("ring" if algo == ALGO else algo)
+    if algo == ALGO and not held:
+        raise ValueError(f"{collective} algo={ALGO!r} reads the peers' buffers directly: buf and out "
+                         f"must come from comm.alloc(), on a communicator whose ranks share this host")
+    return algo
+
+
+def _shape(shape) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        raise TypeError(f"alloc: shape must be an int or a tuple of ints, got {shape!r}") from None
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"alloc: shape must be an int or a tuple of ints, got {shape!r}")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"alloc: shape {shape!r} has a negative dimension")
+    return tuple(int(d) for d in dims)
+
+
+class _Map:
+    """One shared segment, mapped: its bytes as uint8 and its address range."""
+
+    def __init__(self, path: str, size: int, create: bool):
+        from ringcomm.transport import shm  # x86-only, like the rest of shared memory
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                shm.track(path)
+                os.ftruncate(fd, size)
+            # MAP_POPULATE: the page faults are paid here, not in the first collective.
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self.path, self.size = path, size
+        self.bytes = np.frombuffer(self.map, np.uint8)
+        self.base = address(self.bytes)
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:  # the user still holds the array: it stays valid, privately
+            pass
+
+
+class Registry:
+    """A communicator's registered allocations, its peers' mappings of theirs, and the engine."""
+
+    def __init__(self, rank: int, world_size: int, links, timeout: float):
+        self.rank, self.n, self.links, self.timeout = rank, world_size, links, timeout
+        self.ctx = links.ctx
+        self.shared = world_size > 1 and all(links.transport_for(p) == "shm" for p in self._others())
+        self.mine: list[_Map] = []      # allocation k -> this rank's segment
+        self.peers: dict = {}           # (peer, k) -> _Map; (peer, "ctl") -> its control segment
+        self.ctl = None                 # this rank's control segment
+        self.unlink_after: list = []    # (path, k): unlink once every peer has mapped allocation k
+        self.calls = 0
+        self.syncs = [0] * world_size
+        self.scratch: dict = {}
+        self.closed = False
+
+    def _others(self):
+        return [p for p in range(self.n) if p != self.rank]
+
+    # ---- alloc ----------------------------------------------------------------------------------
+
+    def alloc(self, shape, dtype) -> np.ndarray:
+        shape, dtype = _shape(shape), np.dtype(dtype)
+        if dtype not in kernels.SUPPORTED_DTYPES:
+            raise TypeError(f"alloc: dtype {dtype} is not one ringcomm reduces; supported: "
+                            f"{', '.join(str(d) for d in kernels.SUPPORTED_DTYPES)}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if not self.shared:  # one rank, or peers on other hosts: nothing to map, ordinary memory
+            return np.zeros(shape, dtype)
+        k = len(self.mine)
+        if self.ctl is None:
+            self.ctl = self._create(8 * (SYNC + self.n))
+            words = self.ctl.bytes.view(np.int64)
+            words[0], words[PID] = MAGIC, os.getpid()
+            self.unlink_after.append((self.ctl.path, 0))
+        seg = self._create(max(count * dtype.itemsize, 1))
+        self.mine.append(seg)
+        self.unlink_after.append((seg.path, k))
+        me = {"seg": os.path.basename(seg.path), "ctl": os.path.basename(self.ctl.path),
+              "nbytes": count * dtype.itemsize}
+        self.ctx.store.set(self._key(k, self.rank), json.dumps(me).encode())
+        deadline = time.monotonic() + self.timeout
+        for p in self._others():
+            theirs = json.loads(self._published(k, p, deadline))
+            if theirs["nbytes"] != me["nbytes"]:
+                raise ValueError(f"rank {self.rank} (this process): alloc #{k} has {me['nbytes']} bytes here but "
+                                 f"{theirs['nbytes']} on rank {p}: every rank calls alloc with the same shape "
+                                 f"and dtype, in the same order")
+            if (p, "ctl") not in self.peers:
+                self.peers[p, "ctl"] = self._map(theirs["ctl"], 8 * (SYNC + self.n), p)
+            self.peers[p, k] = self._map(theirs["seg"], max(me["nbytes"], 1), p)
+        self.ctl.bytes.view(np.int64)[MAPPED] = k + 1
+        return seg.bytes[:count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def _create(self, size: int) -> _Map:
+        global _serial
+        _serial += 1  # per process: several communicators' names never collide
+        job = os.environ.get("RINGCOMM_JOB_ID", "x")
+        return _Map(f"/dev/shm/rc-{job}-{os.getpid()}-m{_serial}", size, create=True)
+
+    def _key(self, k: int, rank: int) -> str:
+        return f"{self.ctx.prefix}/alloc/{k}/{rank}"
+
+    def _published(self, k: int, p: int, deadline: float) -> bytes:
+        try:
+            return wait_key(self.ctx, self._key(k, p), deadline, p, "shm")
+        except PeerTimeout:
+            raise CollectiveTimeout(f"rank {self.rank} (this process) timed out after {self.timeout:g} s waiting "
+                                    f"for rank {p} to call alloc #{k} over shm (alloc is collective: every rank "
+                                    f"calls it, in the same order)") from None
+        except Aborted as e:
+            raise RingcommError(f"rank {self.rank} (this process) was aborted in alloc #{k}: {e}") from None
+
+    def _map(self, name: str, size: int, p: int) -> _Map:
+        try:
+            return _Map("/dev/shm/" + name, size, create=False)
+        except FileNotFoundError:
+            raise RingcommError(f"rank {self.rank} (this process): rank {p}'s registered segment {name} "
+                                f"vanished before this rank mapped it (rank {p} closed or died)") from None
+
+    def _unlink_mapped(self) -> None:
+        """Unlink the names of segments every peer has mapped: a crash afterwards leaks nothing."""
+        from ringcomm.transport import shm
+        done = min(int(self.peers[p, "ctl"].bytes.view(np.int64)[MAPPED]) for p in self._others())
+        keep = []
+        for path, k in self.unlink_after:
+            if k < done:
+                shm.unlink_tracked(path)
+            else:
+                keep.append((path, k))
+        self.unlink_after = keep
+
+    # ---- which buffers -------------------------------------------------------------------------
+
+    def locate(self, arr) -> tuple[int, int] | None:
+        """(allocation index, byte offset) of a flat numpy view inside this rank's allocations."""
+        if not isinstance(arr, np.ndarray):
+            return None
+        a = address(arr)
+        for k, seg in enumerate(self.mine):
+            if seg.base <= a and a + arr.nbytes <= seg.base + seg.size:
+                return k, a - seg.base
+        return None
+
+    def holds(self, x, y) -> bool:
+        return bool(self.mine) and self.locate(x) is not None and self.locate(y) is not None
+
+    # ---- the engine ----------------------------------------------------------------------------
+
+    def run(self, ex, sched, call) -> None:
+        """Run a "read" schedule (one round: the whole buffer) on registered buffers."""
+        if self.unlink_after:
+            self._unlink_mapped()
+        words = self.ctl.bytes.view(np.int64)
+        words[DESC:DESC + 4] = (*self.locate(call.inp), *self.locate(call.out))
+        self.calls += 1
+        words[CALLS] = self.calls  # after the descriptor (x86 store order): peers may read it now
+        views: dict = {}
+        fn = kernels.elementwise(call.op, call.inp.dtype)
+        ex._call, ex._nsteps = call, len(sched.steps)
+        with np.errstate(all="ignore"):
+            for i, step in enumerate(sched.steps):
+                ex._step = i
+                if step.kind == "sync":
+                    self._sync(ex, call, step.remote)
+                else:
+                    self._step(ex, sched, call, step, fn, views)
+
+    def _step(self, ex, sched, call, step, fn, views) -> None:
+        m, me = call.m, self.rank
+        io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
+        oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
+        out = call.out[oo:oo + k]
+        if step.kind == "copy":
+            if address(out) != address(call.inp[io:io + k]):
+                out[...] = call.inp[io:io + k]
+            return
+        if step.reads == "out":
+            srcs = [self._view(ex, call, step.remote[0], "out", views)[oo:oo + k]]
+        else:
+            srcs = [call.inp[io:io + k] if q == me else self._view(ex, call, q, "in", views)[io:io + k]
+                    for q in step.remote]
+        if not step.reduces:
+            out[...] = srcs[0]
+            return
+        mine = [i for i, q in enumerate(step.remote) if q == me]
+        self._reduce(out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]))
+        if step.final:
+            kernels.postprocess(out, call.op, self.n)
+
+    def _reduce(self, out, srcs, fn, via_scratch: bool) -> None:
+        """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
+        input (in place) and that input is not among the first two operands, the first operation
+        would overwrite it before it is read: those pieces are built in a scratch buffer."""
+        piece = max(1, PIECE_BYTES // out.itemsize)
+        scratch = self._scratch(out.dtype, piece) if via_scratch else None
+        for a in range(0, out.size, piece):
+            b = min(a + piece, out.size)
+            acc = scratch[:b - a] if via_scratch else out[a:b]
+            fn(srcs[0][a:b], srcs[1][a:b], out=acc)
+            for s in srcs[2:]:
+                fn(acc, s[a:b], out=acc)
+            if via_scratch:
+                out[a:b] = acc
+
+    def _scratch(self, dtype, size) -> np.ndarray:
+        buf = self.scratch.get(dtype)
+        if buf is None or buf.size < size:
+            buf = self.scratch[dtype] = np.empty(size, dtype)
+        return buf
+
+    def _view(self, ex, call, q: int, which: str, views: dict) -> np.ndarray:
+        """Peer q's input or output of this call, once q has entered it."""
+        got = views.get((q, which))
+        if got is not None:
+            return got
+        words = self.peers[q, "ctl"].bytes.view(np.int64)
+        self._wait(ex, call, q, lambda: words[CALLS] >= self.calls, f"waiting for {call.name} #{call.seq} "
+                   f"to start so as to read the registered buffer of")
+        at = DESC if which == "in" else DESC + 2
+        k, off = int(words[at]), int(words[at + 1])
+        arr = call.inp if which == "in" else call.out
+        seg = self.peers.get((q, k))
+        if seg is None or off + arr.nbytes > seg.size:
+            raise RingcommError(f"rank {self.rank} (this process): rank {q}'s {which}put of {call.name} "
+                                f"#{call.seq} does not fit its allocation #{k}: the ranks passed different sizes")
+        got = views[q, which] = seg.bytes[off:off + arr.nbytes].view(arr.dtype)
+        return got
+
+    def _sync(self, ex, call, peers) -> None:
+        words, me = self.ctl.bytes.view(np.int64), self.rank
+        for p in peers:  # arrive at every pair's barrier first, then wait: no order can deadlock
+            self.syncs[p] += 1
+            words[SYNC + p] = self.syncs[p]
+        for p in peers:
+            theirs, want = self.peers[p, "ctl"].bytes.view(np.int64), self.syncs[p]
+            self._wait(ex, call, p, lambda: theirs[SYNC + me] >= want,
+                       f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for")
+
+    def _wait(self, ex, call, peer: int, ready, doing: str) -> None:
+        """Spin, yield, sleep (transport Backoff) until ready(); abort, liveness, watchdog, deadline
+        as in transport/shm.py; failures become the executor's messages (ex._explain)."""
+        if ready():
+            return
+        t0 = time.monotonic()
+        ex._waiting = (peer, "sync", 0, t0)
+        backoff, deadline, patrol = Backoff(self.ctx.spins), t0 + self.timeout, t0 + PATROL_PERIOD
+        ctl = self.peers[peer, "ctl"].bytes.view(np.int64)
+        while not ready():
+            backoff()
+            if backoff.n & 63:
+                continue
+            try:
+                if self.ctx.abort is not None and self.ctx.abort.is_set():
+                    raise Aborted("aborted", peer=peer, transport="shm")
+                now = time.monotonic()
+                if now >= patrol:
+                    if ctl[CLOSED]:
+                        raise PeerGone(f"rank {peer} closed its communicator", peer=peer, transport="shm")
+                    if not pid_alive(int(ctl[PID])):
+                        raise PeerGone(f"rank {peer} (pid {int(ctl[PID])}) died", peer=peer, transport="shm")
+                    if self.ctx.watchdog is not None:
+                        self.ctx.watchdog()
+                    patrol = now + PATROL_PERIOD
+                if now > deadline:
+                    raise PeerTimeout("timed out", peer=peer, transport="shm")
+            except (Aborted, PeerGone, PeerTimeout) as e:
+                raise ex._explain(e, doing) from None
+        ex._waiting = None
+
+    def close(self) -> None:
+        """Stop sharing: peers' mappings are dropped, this rank's names unlinked (its arrays stay valid)."""
+        if self.closed:
+            return
+        self.closed = True
+        from ringcomm.transport import shm
+        if self.ctl is not None:
+            self.ctl.bytes.view(np.int64)[CLOSED] = 1
+        for path, _ in self.unlink_after:
+            shm.unlink_tracked(path)
+        self.unlink_after = []
+        for seg in self.peers.values():
+            seg.close()
+        self.peers.clear()

@@ -1,0 +1,244 @@
+"""Registered buffers (comm.alloc) and the one-copy "read" algorithms: schedules, then real ranks."""
+from __future__ import annotations
+
+import glob
+import os
+import stat
+
+import numpy as np
+import pytest
+
+import ringcomm
+from cases import COLLECTIVES, DTYPES, OPS, compare, make_input, reference
+from harness import World
+from ringcomm import catalogue
+from ringcomm.schedule.onecopy import read_all_reduce
+from ringcomm.schedule.simulate import ScheduleError, check
+from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync
+from ringcomm.schedule.verify import verify_schedules
+
+# ---- the schedules, symbolically ----------------------------------------------------------------
+
+
+def test_read_steps_are_checked_when_built():
+    with pytest.raises(ValueError, match="remote=peers and no src or dst"):
+        Step("read_copy", 0, src=(1,))
+    with pytest.raises(ValueError, match="does not reduce"):
+        Step("read_out_copy", 0, remote=(1, 2))
+    with pytest.raises(ValueError, match="remote= is for"):
+        Step("recv", 0, src=(1,), remote=(2,))
+    s = read_all_reduce(1, 3)
+    assert s.registered and not catalogue.build_schedule("all_reduce", "ring", 1, 3, None).registered
+    assert str(s.steps[0]) == "read_reduce_copy(1, reads=[0, 1, 2])" and str(s.steps[1]) == "sync(0, with=[0, 2])"
+
+
+def test_read_all_reduce_has_one_order_for_every_rank_and_size():
+    rep = ringcomm.verify("all_reduce", "read", 5, 1001)
+    assert rep.ok and rep.rank_identical and rep.size_independent, rep.summary()
+    assert rep.orders == [(0, 1001, "((((x0 + x1) + x2) + x3) + x4) then post-op")]
+
+
+def _broken(n, index, step):
+    scheds = [read_all_reduce(r, n) for r in range(n)]
+    steps = list(scheds[1].steps)
+    if step is None:
+        del steps[index]
+    else:
+        steps[index] = step
+    scheds[1] = Schedule("all_reduce", "read", 1, n, n, SPLIT, SPLIT, tuple(steps))
+    return scheds
+
+
+def test_reading_an_output_before_its_owner_wrote_it_is_caught():
+    # Rank 1 copies rank 0's output chunk 0 before the sync that separates the phases.
+    scheds = _broken(3, 1, read_out_copy(0, 0))
+    with pytest.raises(ScheduleError, match="reads rank 0's output chunk 0 before rank 0 wrote it"):
+        check("all_reduce", scheds, nslots=2, slices=1, rounds=2)
+
+
+def test_leaving_while_peers_may_still_read_is_caught():
+    scheds = _broken(3, 4, None)  # rank 1 drops its last sync: its reads of phase 2 are unguarded
+    rep = verify_schedules("all_reduce", scheds, 100)
+    assert not rep.ok and "read_out_copy(0, reads=[0]): no sync with rank(s) [0] follows" in rep.postcondition
+
+
+def test_unmatched_sync_is_a_deadlock_with_its_trace():
+    scheds = _broken(3, 1, sync((0,)))  # rank 1 skips its first sync with rank 2
+    rep = verify_schedules("all_reduce", scheds, 100)
+    assert not rep.ok
+    assert "sync" in rep.postcondition and "rank 2" in rep.postcondition, rep.postcondition
+
+
+def test_wrong_reduction_is_caught():
+    scheds = _broken(3, 0, read_reduce_copy(1, (0, 1)))  # forgets rank 2's input
+    rep = verify_schedules("all_reduce", scheds, 100)
+    assert not rep.ok and "final" in rep.postcondition
+
+
+def test_cost_and_viz_see_the_reads():
+    one = ringcomm.cost("all_reduce", "read", 4, 4 << 20, alpha=1e-5, beta=1e-10, gamma=1e-10)
+    assert one > 0
+    from ringcomm import viz
+    frames = viz.frames("all_gather", "read", 3)
+    assert [f["stage"] for f in frames] == [0]
+    assert sorted((a, b) for a, b, _, _ in frames[0]["msgs"]) == [(a, b) for a in range(3) for b in range(3) if a != b]
+
+
+# ---- real ranks ----------------------------------------------------------------------------------
+
+BIG = 2**20 + 3
+
+
+def _cases(n):
+    cases, i = [], 0
+    for coll in COLLECTIVES:
+        for dtype in DTYPES[::3] + ("float32",):
+            op = OPS[i % len(OPS)] if dtype != "float32" else "sum"
+            count = (0, 1, 7, 1000)[i % 4] if dtype != "float32" else (BIG if coll == "all_reduce" else 1001)
+            cases.append(dict(collective=coll, dtype=dtype, op=op, count=count, algo=None,
+                              root=(0, n - 1)[i % 2], inplace=bool(i % 3), seed=i))
+            i += 1
+    return cases
+
+
+def _run_case(comm, case, area):
+    """cases.run_case with every buffer a view of the registered ``area`` (a uint8 alloc)."""
+    n, r = comm.world_size, comm.rank
+    coll, count, root = case["collective"], case["count"], case["root"]
+    insize = count * n if coll == "reduce_scatter" else count
+    inputs = [make_input(case, k, insize) for k in range(n)]
+    dt = inputs[r].dtype
+    half = area.size // 2 // dt.itemsize * dt.itemsize
+    x = area[:insize * dt.itemsize].view(dt)                     # the input, at the area's start
+    o = area[half:half + max(count * n, count) * dt.itemsize].view(dt)  # outputs, from the middle
+    x[...] = inputs[r]
+    calls = comm._registry.calls
+    if coll == "all_reduce":
+        got = comm.all_reduce(x, case["op"], out=None if case["inplace"] else o[:count])
+        want = reference(case, inputs)
+    elif coll == "reduce":
+        out = None if case["inplace"] else o[:count]
+        if out is not None:
+            out[...] = 0
+        got = comm.reduce(x, root, case["op"], out=out)
+        want = reference(case, inputs) if r == root else (inputs[r] if case["inplace"] else np.zeros_like(x))
+    elif coll == "broadcast":
+        got = comm.broadcast(x, root)
+        want = inputs[root]
+    elif coll == "all_gather":
+        out = o[:count * n]
+        if case["inplace"]:
+            out[r * count:(r + 1) * count] = x
+            x = out[r * count:(r + 1) * count]
+        got = comm.all_gather(x, out)
+        want = np.concatenate(inputs)
+    else:
+        out = x[r * count:(r + 1) * count] if case["inplace"] else o[:count]
+        got = comm.reduce_scatter(x, out, case["op"])
+        want = reference(case, inputs)[r * count:(r + 1) * count]
+    if comm._registry.calls != calls + (count > 0):
+        return f"{case}: did not run the read algorithm"
+    return compare(np.array(got), want, {**case, "buffers": "registered"})
+
+
+def _matrix(comm, cases):
+    area = comm.alloc(2 * 8 * BIG * comm.world_size + 64, np.uint8)
+    assert area.flags.c_contiguous and not area.any()
+    errors = [e for e in (_run_case(comm, c, area) for c in cases) if e]
+    names = glob.glob(f"/dev/shm/rc-{os.environ['RINGCOMM_JOB_ID']}-{os.getpid()}-m*")
+    return errors, names
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [3])
+def test_collectives_on_registered_buffers(n):
+    # Small slots for the plain calls in between (the fingerprint and barrier paths stay FIFO ones).
+    with World(n, {"RINGCOMM_BUFFSIZE": "65536"}, timeout=120) as w:
+        results = w.run(_matrix, _cases(n), timeout=200)
+    assert [errs for errs, _ in results] == [[]] * n, "\n".join(e for errs, _ in results for e in errs)
+    # Every peer mapped every segment, so the names were unlinked at the first collective.
+    assert [names for _, names in results] == [[]] * n
+
+
+def _misuse(comm):
+    out = {}
+    a = comm.alloc(16, np.float32)
+    plain = np.ones(16, np.float32)
+    for name, fn in [("read on plain", lambda: comm.all_reduce(plain, algo="read")),
+                     ("read with plain out", lambda: comm.all_reduce(a, out=plain.copy(), algo="read")),
+                     ("bad dtype", lambda: comm.alloc(4, np.complex64)),
+                     ("bad shape", lambda: comm.alloc((2, -1), np.float32)),
+                     ("shape type", lambda: comm.alloc("4", np.float32))]:
+        try:
+            fn()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    a[:] = comm.rank + 1
+    comm.all_reduce(a, algo="ring")  # registered memory also works with every other algorithm
+    out["ring"] = float(a[0])
+    comm.all_reduce(plain)  # and plain buffers keep their algorithms
+    out["plain"] = float(plain[0])
+    try:
+        comm.alloc(8 if comm.rank == 0 else 16, np.float32)
+    except ValueError as e:
+        out["sizes"] = str(e)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_misuse_is_refused_before_any_byte_moves():
+    with World(2, timeout=30) as w:
+        res = w.run(_misuse, timeout=60)
+    for r, out in enumerate(res):
+        assert out["read on plain"].startswith("ValueError") and "comm.alloc()" in out["read on plain"]
+        assert out["read with plain out"].startswith("ValueError")
+        assert out["bad dtype"].startswith("TypeError") and out["bad shape"].startswith("ValueError")
+        assert out["shape type"].startswith("TypeError")
+        assert out["ring"] == 3.0 and out["plain"] == 2.0
+        assert "alloc #1 has" in out["sizes"] and f"on rank {1 - r}" in out["sizes"]
+
+
+def _one_side(comm):
+    a = comm.alloc(1000, np.float32)
+    if comm.rank == 0:
+        comm.all_reduce(a)  # rank 1 never enters: rank 0 must time out, naming both ranks
+    return sorted(glob.glob(f"/dev/shm/rc-{os.environ['RINGCOMM_JOB_ID']}-{os.getpid()}-m*"))
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_never_enters_is_a_timeout_naming_it():
+    with World(2, timeout=2) as w:
+        w.start(_one_side)
+        answers = w.collect([0, 1], 60)
+    status, text = answers[0]
+    assert status == "err" and "CollectiveTimeout" in text, text
+    assert ("rank 0 (this process) timed out after 2 s waiting for all_reduce #" in text
+            and "registered buffer of rank 1 over shm" in text), text
+    status, names = answers[1]
+    assert status == "ok" and len(names) == 2
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in names if os.path.exists(p))
+
+
+def _after_close(comm):
+    a = comm.alloc(8, np.int32)
+    a[:] = comm.rank
+    comm.all_reduce(a)
+    import ringcomm as rc
+    other = rc.init(comm.rank, comm.world_size, store=comm._store)
+    b = other.alloc(8, np.int32)
+    b[:] = 5
+    other.close()
+    b += 1  # still this process's memory after close
+    try:
+        other.all_reduce(b)
+        refused = False
+    except rc.CommunicatorClosed:
+        refused = True
+    return int(a.sum()), int(b.sum()), refused
+
+
+@pytest.mark.timeout(120)
+def test_arrays_stay_valid_after_close():
+    with World(2) as w:
+        assert w.run(_after_close, timeout=60) == [(8, 48, True)] * 2
