@@ -35,7 +35,7 @@ import json
 import os
 import time
 
-from .base import LinkContext, PeerGone, RecvConnection, SendConnection
+from .base import LinkContext, PeerGone, RecvConnection, SendConnection, wait_key
 from .shm import CLOSED, RECEIVER_PID, SIZES, ShmRecv, ShmSend, ShmTransport, _pid_alive, _Segment
 
 CLOSE_GRACE = 5.0       # seconds close() waits for the peer's GPU work before it frees or unmaps anyway
@@ -173,6 +173,9 @@ class CudaIpcSend(_DeviceSlots, ShmSend):
             time.sleep(1e-3)
         if words[CLOSED + 1] or not _pid_alive(int(words[RECEIVER_PID])):
             self.cuda.free(self.base, self.events, imported=False)
+        # Under the simulator the slots view the segment, and so does ``words``: the mapping closes
+        # only once no view is left.
+        self.slots = words = None
         self.seg.unlink()
         self.seg.close()
 
@@ -194,6 +197,7 @@ class CudaIpcRecv(_DeviceSlots, ShmRecv):
             return
         if self.cuda.idle(self.stream, time.monotonic() + CLOSE_GRACE):    # nothing of ours still reads
             self.cuda.free(self.base, self.events, imported=True)
+        self.slots = None  # as in CudaIpcSend.finish
         super().close()
 
 
@@ -209,6 +213,7 @@ class CudaIpcTransport(ShmTransport):
         return f"{self.ctx.prefix}/cuda_ipc/{src}->{dst}"
 
     def connect_send(self, peer: int, deadline: float) -> SendConnection:
+        self._check_open(peer)
         CudaIpcTransport._serial += 1
         name = f"rc-{self.job}-{os.getpid()}-g{CudaIpcTransport._serial}"
         ctx, sim = self.ctx, isinstance(self.cuda, _Simulated)
@@ -220,8 +225,8 @@ class CudaIpcTransport(ShmTransport):
         return conn
 
     def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
-        timeout = max(0.0, deadline - time.monotonic())
-        published = json.loads(self.ctx.store.get(self._key(peer, self.ctx.rank), timeout=timeout))
+        self._check_open(peer)
+        published = json.loads(wait_key(self.ctx, self._key(peer, self.ctx.rank), deadline, peer, self.name))
         sim = isinstance(self.cuda, _Simulated)
         try:
             seg = _Segment(published["seg"], self.ctx.nslots, self.ctx.slot_bytes if sim else 0, create=False)
@@ -237,6 +242,7 @@ class CudaIpcTransport(ShmTransport):
         # Receivers first (they unmap the peers' slots), then senders free their own slots once their
         # receivers have let go: every rank closes all its connections before its transports, so these
         # waits end as soon as the peers reach their own close.
+        self.closed = True
         deadline = time.monotonic() + CLOSE_GRACE
         for link in self.links:
             link.close()

@@ -265,12 +265,18 @@ class ShmTransport(Transport):
         super().__init__(ctx)
         self.job = os.environ.get("RINGCOMM_JOB_ID", "x")
         self.links: list[_Link] = []
+        self.closed = False
         remove_stale(self.job)
+
+    def _check_open(self, peer: int) -> None:
+        if self.closed:
+            raise Aborted(f"the {self.name} transport was closed by this process", peer=peer, transport=self.name)
 
     def _key(self, src: int, dst: int) -> str:
         return f"{self.ctx.prefix}/shm/{src}->{dst}"
 
     def connect_send(self, peer: int, deadline: float) -> SendConnection:
+        self._check_open(peer)
         ShmTransport._serial += 1
         name = f"rc-{self.job}-{os.getpid()}-{ShmTransport._serial}"
         seg = _Segment(name, self.ctx.nslots, self.ctx.slot_bytes, create=True)
@@ -280,6 +286,7 @@ class ShmTransport(Transport):
         return conn
 
     def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
+        self._check_open(peer)
         name = wait_key(self.ctx, self._key(peer, self.ctx.rank), deadline, peer, "shm").decode()
         try:
             seg = _Segment(name, self.ctx.nslots, self.ctx.slot_bytes, create=False)
@@ -291,6 +298,7 @@ class ShmTransport(Transport):
         return conn
 
     def close(self) -> None:
+        self.closed = True
         for link in self.links:
             link.close()
         self.links.clear()

@@ -1,7 +1,7 @@
 """`ringcomm-bench`: nccl-tests' all_reduce_perf and friends for ringcomm, with peers side by side.
 
     ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
-                   --warmup W --check [--algo A] [--transport T] [--json FILE] [--plot FILE.png]
+                   --warmup W --check [--algo A] [--transport T] [--registered] [--json FILE] [--plot FILE.png]
                    [--peer gloo|mpi|nccl]...
 
 It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one job after the
@@ -45,6 +45,9 @@ def parse_args(argv):
     p.add_argument("--check", action="store_true", help="verify every result (#wrong)")
     p.add_argument("--algo", default=None, help="ringcomm algorithm: ring, tree, auto, a comma list or all")
     p.add_argument("--transport", choices=("shm", "tcp"), default=None, help="force ringcomm's transport")
+    p.add_argument("--registered", action="store_true",
+                   help="ringcomm's buffers from comm.alloc (peers map them: one-copy 'read' algorithms); "
+                        "peers keep plain buffers")
     p.add_argument("--peer", action="append", default=[], choices=PEERS, help="also run this library")
     p.add_argument("--json", metavar="FILE", help="write every figure, versions and machine facts")
     p.add_argument("--plot", metavar="FILE.png", help="busbw against size, with the memcpy ceiling")
@@ -88,7 +91,8 @@ def run_job(backend, a, algos, progress):
     """One backend's sweep: {"facts", "pids", "rows": {algo label: [row, ...]}}; JobFailed on failure."""
     cfg = {"collective": a.collective, "dtype": a.datatype, "op": a.op, "root": a.root, "sizes": a.sizes,
            "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
-           "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport}
+           "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
+           "registered": a.registered and backend == "ringcomm"}
     job = Job(backend, a.ranks, cfg)
     facts, pending, rows, ok = {}, {}, {}, False
     try:
@@ -125,6 +129,9 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
         facts["cores"], facts["cores_usable"], facts["python"], facts["numpy"],
         "n/a" if facts["loadavg_at_start"] is None else "%.2f" % facts["loadavg_at_start"][0]))
     lines.append("# memcpy (one core, 64 MiB, measured in this run): %.2f GB/s" % memcpy)
+    if a.registered:
+        lines.append("# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); "
+                     "peers' plain numpy")
     for name, run in peers.items():
         lines.append(f"# Peer {name}: {run['facts'].get('library', '?')}")
     for name, why in skipped.items():
@@ -201,7 +208,7 @@ def _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows):
     doc = {"command": ["ringcomm-bench"] + list(sys.argv[1:] if argv is None else argv),
            "config": {k: getattr(a, k) for k in ("collective", "ranks", "minbytes", "maxbytes", "stepfactor",
                                                   "datatype", "op", "root", "iters", "warmup", "check",
-                                                  "algos", "transport", "sizes")},
+                                                  "algos", "transport", "registered", "sizes")},
            "machine": facts, "memcpy_gbps": memcpy, "ringcomm": mine, "peers": peers, "skipped": skipped,
            "summary": {"out_of_bounds": report.out_of_bounds(rows), "avg_busbw": report.avg_busbw(rows)}}
     with open(a.json, "w") as f:
