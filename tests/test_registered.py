@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import glob
 import os
+import re
+import signal
 import stat
+import time
 
 import numpy as np
 import pytest
@@ -242,3 +245,31 @@ def _after_close(comm):
 def test_arrays_stay_valid_after_close():
     with World(2) as w:
         assert w.run(_after_close, timeout=60) == [(8, 48, True)] * 2
+
+
+_KEPT = {}  # per rank process: arrays kept between two calls of a world
+
+
+def _alloc(comm):
+    _KEPT["a"] = comm.alloc(1000, np.float32)
+    return os.getpid()
+
+
+def _enter(comm):
+    comm.all_reduce(_KEPT["a"])  # waits for rank 1, which is killed instead of entering
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_peer_is_reported_while_it_is_an_unreaped_zombie():
+    with World(2, timeout=60) as w:
+        w.run(_alloc, timeout=60)
+        w.start(_enter, ranks=[0])
+        os.kill(w.procs[1].pid, signal.SIGKILL)  # not joined: a zombie of this process until the world closes
+        t0 = time.monotonic()
+        status, text = w.collect([0], 60)[0]
+        took = time.monotonic() - t0
+        w.kill()
+    assert status == "err" and "PeerFailure" in text, text
+    assert re.search(r"rank 0 \(this process\) failed waiting for all_reduce #\d+ to start so as to read the "
+                     r"registered buffer of rank 1 over shm: rank 1 \(pid \d+\) died", text), text
+    assert took < 20, f"the dead peer was seen after {took:.1f} s, not within a few liveness checks"
