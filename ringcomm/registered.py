@@ -24,8 +24,9 @@ hears abort(), checks the peer's pid (a zombie counts as dead) and feeds the wat
 
 Lifetime: an allocation stays shared until ``comm.close()``. After that the array stays valid
 memory of this process (the mapping lives as long as the array does), but it is private: the
-peers have unmapped it and its name is gone from /dev/shm. Segment names are unlinked as soon as
-every peer has mapped them, and in any case on close, at exit and on SIGTERM (shm.unlink_named).
+peers have unmapped it. Segment names leave /dev/shm before alloc returns: alloc waits until
+every peer has mapped them (so a rank that closes at once cannot pull a name from under a slower
+peer), then unlinks them; if alloc fails, close, exit and SIGTERM unlink them (shm.unlink_named).
 
 The engine is Python (numpy over whole chunks, cut into cache-sized pieces where it reduces);
 the native engine does not run these steps.
@@ -116,7 +117,7 @@ class Registry:
         self.mine: list[_Map] = []      # allocation k -> this rank's segment
         self.peers: dict = {}           # (peer, k) -> _Map; (peer, "ctl") -> its control segment
         self.ctl = None                 # this rank's control segment
-        self.unlink_after: list = []    # (path, k): unlink once every peer has mapped allocation k
+        self.named: list = []           # paths of this rank's segments still in /dev/shm
         self.calls = 0
         self.syncs = [0] * world_size
         self.scratch: dict = {}
@@ -140,10 +141,10 @@ class Registry:
             self.ctl = self._create(8 * (SYNC + self.n))
             words = self.ctl.bytes.view(np.int64)
             words[0], words[PID] = MAGIC, os.getpid()
-            self.unlink_after.append((self.ctl.path, 0))
+            self.named.append(self.ctl.path)
         seg = self._create(max(count * dtype.itemsize, 1))
         self.mine.append(seg)
-        self.unlink_after.append((seg.path, k))
+        self.named.append(seg.path)
         me = {"seg": os.path.basename(seg.path), "ctl": os.path.basename(self.ctl.path),
               "nbytes": count * dtype.itemsize}
         self.ctx.store.set(self._key(k, self.rank), json.dumps(me).encode())
@@ -157,8 +158,28 @@ class Registry:
             if (p, "ctl") not in self.peers:
                 self.peers[p, "ctl"] = self._map(theirs["ctl"], 8 * (SYNC + self.n), p)
             self.peers[p, k] = self._map(theirs["seg"], max(me["nbytes"], 1), p)
-        self.ctl.bytes.view(np.int64)[MAPPED] = k + 1
+        self._mapped_everywhere(k)
         return seg.bytes[:count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def _mapped_everywhere(self, k: int) -> None:
+        """Announce that this rank has mapped its peers' allocation k, wait until every peer has
+        mapped ours, then unlink our names: nothing is left to leak, and no rank can close (and
+        unlink) before a slower peer has mapped its segment."""
+        from ringcomm.transport import shm
+        self.ctl.bytes.view(np.int64)[MAPPED] = k + 1
+
+        def explain(e):
+            what = f"rank {self.rank} (this process) {{}} waiting for rank {e.peer} to map alloc #{k} over shm"
+            if isinstance(e, PeerTimeout):
+                return CollectiveTimeout(what.format(f"timed out after {self.timeout:g} s"))
+            return RingcommError(what.format("was aborted" if isinstance(e, Aborted) else f"failed ({e})"))
+
+        for p in self._others():
+            theirs = self.peers[p, "ctl"].bytes.view(np.int64)
+            self._wait(p, lambda: theirs[MAPPED] >= k + 1, explain)
+        for path in self.named:
+            shm.unlink_tracked(path)
+        self.named = []
 
     def _create(self, size: int) -> _Map:
         global _serial
@@ -186,18 +207,6 @@ class Registry:
             raise RingcommError(f"rank {self.rank} (this process): rank {p}'s registered segment {name} "
                                 f"vanished before this rank mapped it (rank {p} closed or died)") from None
 
-    def _unlink_mapped(self) -> None:
-        """Unlink the names of segments every peer has mapped: a crash afterwards leaks nothing."""
-        from ringcomm.transport import shm
-        done = min(int(self.peers[p, "ctl"].bytes.view(np.int64)[MAPPED]) for p in self._others())
-        keep = []
-        for path, k in self.unlink_after:
-            if k < done:
-                shm.unlink_tracked(path)
-            else:
-                keep.append((path, k))
-        self.unlink_after = keep
-
     # ---- which buffers -------------------------------------------------------------------------
 
     def locate(self, arr) -> tuple[int, int] | None:
@@ -217,8 +226,6 @@ class Registry:
 
     def run(self, ex, sched, call) -> None:
         """Run a "read" schedule (one round: the whole buffer) on registered buffers."""
-        if self.unlink_after:
-            self._unlink_mapped()
         words = self.ctl.bytes.view(np.int64)
         words[DESC:DESC + 4] = (*self.locate(call.inp), *self.locate(call.out))
         self.calls += 1
@@ -283,8 +290,8 @@ class Registry:
         if got is not None:
             return got
         words = self.peers[q, "ctl"].bytes.view(np.int64)
-        self._wait(ex, call, q, lambda: words[CALLS] >= self.calls, f"waiting for {call.name} #{call.seq} "
-                   f"to start so as to read the registered buffer of")
+        doing = f"waiting for {call.name} #{call.seq} to start so as to read the registered buffer of"
+        self._wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
         arr = call.inp if which == "in" else call.out
@@ -302,16 +309,18 @@ class Registry:
             words[SYNC + p] = self.syncs[p]
         for p in peers:
             theirs, want = self.peers[p, "ctl"].bytes.view(np.int64), self.syncs[p]
-            self._wait(ex, call, p, lambda: theirs[SYNC + me] >= want,
-                       f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for")
+            doing = f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"
+            self._wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex)
 
-    def _wait(self, ex, call, peer: int, ready, doing: str) -> None:
+    def _wait(self, peer: int, ready, explain, ex=None) -> None:
         """Spin, yield, sleep (transport Backoff) until ready(); abort, liveness, watchdog, deadline
-        as in transport/shm.py; failures become the executor's messages (ex._explain)."""
+        as in transport/shm.py; explain(error) is what is raised (the executor's messages in a call).
+        ``ex``: the executor, told where this rank waits (for the watchdog's table)."""
         if ready():
             return
         t0 = time.monotonic()
-        ex._waiting = (peer, "sync", 0, t0)
+        if ex is not None:
+            ex._waiting = (peer, "sync", 0, t0)
         backoff, deadline, patrol = Backoff(self.ctx.spins), t0 + self.timeout, t0 + PATROL_PERIOD
         ctl = self.peers[peer, "ctl"].bytes.view(np.int64)
         while not ready():
@@ -333,8 +342,9 @@ class Registry:
                 if now > deadline:
                     raise PeerTimeout("timed out", peer=peer, transport="shm")
             except (Aborted, PeerGone, PeerTimeout) as e:
-                raise ex._explain(e, doing) from None
-        ex._waiting = None
+                raise explain(e) from None
+        if ex is not None:
+            ex._waiting = None
 
     def close(self) -> None:
         """Stop sharing: peers' mappings are dropped, this rank's names unlinked (its arrays stay valid)."""
@@ -344,9 +354,9 @@ class Registry:
         from ringcomm.transport import shm
         if self.ctl is not None:
             self.ctl.bytes.view(np.int64)[CLOSED] = 1
-        for path, _ in self.unlink_after:
+        for path in self.named:
             shm.unlink_tracked(path)
-        self.unlink_after = []
+        self.named = []
         for seg in self.peers.values():
             seg.close()
         self.peers.clear()

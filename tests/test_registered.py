@@ -89,7 +89,7 @@ def test_cost_and_viz_see_the_reads():
 
 # ---- real ranks ----------------------------------------------------------------------------------
 
-BIG = 2**20 + 3
+BIG = 200_003  # a few 256 KiB pieces per chunk: the reduction loop and its scratch path run
 
 
 def _cases(n):
@@ -148,8 +148,7 @@ def _matrix(comm, cases):
     area = comm.alloc(2 * 8 * BIG * comm.world_size + 64, np.uint8)
     assert area.flags.c_contiguous and not area.any()
     errors = [e for e in (_run_case(comm, c, area) for c in cases) if e]
-    names = glob.glob(f"/dev/shm/rc-{os.environ['RINGCOMM_JOB_ID']}-{os.getpid()}-m*")
-    return errors, names
+    return errors, _segments()[0]
 
 
 @pytest.mark.timeout(240)
@@ -159,7 +158,7 @@ def test_collectives_on_registered_buffers(n):
     with World(n, {"RINGCOMM_BUFFSIZE": "65536"}, timeout=120) as w:
         results = w.run(_matrix, _cases(n), timeout=200)
     assert [errs for errs, _ in results] == [[]] * n, "\n".join(e for errs, _ in results for e in errs)
-    # Every peer mapped every segment, so the names were unlinked at the first collective.
+    # alloc returned once every peer had mapped this rank's segments, and unlinked their names.
     assert [names for _, names in results] == [[]] * n
 
 
@@ -206,7 +205,16 @@ def _one_side(comm):
     a = comm.alloc(1000, np.float32)
     if comm.rank == 0:
         comm.all_reduce(a)  # rank 1 never enters: rank 0 must time out, naming both ranks
-    return sorted(glob.glob(f"/dev/shm/rc-{os.environ['RINGCOMM_JOB_ID']}-{os.getpid()}-m*"))
+    return _segments()
+
+
+def _segments():
+    """(names of this process's registered segments still in /dev/shm, modes of those it maps)."""
+    mine = f"rc-{os.environ['RINGCOMM_JOB_ID']}-{os.getpid()}-m"
+    with open("/proc/self/maps") as f:
+        ranges = {line.split()[0] for line in f if mine in line}
+    modes = {stat.S_IMODE(os.stat(f"/proc/self/map_files/{r}").st_mode) for r in ranges}  # unlinked too
+    return sorted(glob.glob(f"/dev/shm/{mine}*")), modes
 
 
 @pytest.mark.timeout(120)
@@ -218,9 +226,8 @@ def test_a_peer_that_never_enters_is_a_timeout_naming_it():
     assert status == "err" and "CollectiveTimeout" in text, text
     assert ("rank 0 (this process) timed out after 2 s waiting for all_reduce #" in text
             and "registered buffer of rank 1 over shm" in text), text
-    status, names = answers[1]
-    assert status == "ok" and len(names) == 2
-    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in names if os.path.exists(p))
+    status, (names, modes) = answers[1]
+    assert status == "ok" and names == [] and modes == {0o600}  # mapped, private, and no name left
 
 
 def _after_close(comm):
@@ -273,3 +280,23 @@ def test_a_killed_peer_is_reported_while_it_is_an_unreaped_zombie():
     assert re.search(r"rank 0 \(this process\) failed waiting for all_reduce #\d+ to start so as to read the "
                      r"registered buffer of rank 1 over shm: rank 1 \(pid \d+\) died", text), text
     assert took < 20, f"the dead peer was seen after {took:.1f} s, not within a few liveness checks"
+
+
+def _alloc_alone(comm):
+    comm.alloc(1 << 20, np.uint8)  # rank 1 never calls alloc: rank 0 waits with its names in /dev/shm
+
+
+@pytest.mark.timeout(60)
+def test_names_are_unlinked_on_sigterm_inside_alloc():
+    with World(2, timeout=60) as w:
+        w.start(_alloc_alone, ranks=[0])
+        pattern = f"/dev/shm/rc-{w.job}-{w.procs[0].pid}-m*"
+        deadline = time.monotonic() + 30
+        while len(glob.glob(pattern)) < 2:  # its control segment and the allocation
+            assert time.monotonic() < deadline, "rank 0 never created its segments"
+            time.sleep(0.01)  # polling for files another process writes, with a deadline
+        os.kill(w.procs[0].pid, signal.SIGTERM)
+        w.procs[0].join(10)
+        assert w.procs[0].exitcode == -signal.SIGTERM
+        assert glob.glob(pattern) == [], "SIGTERM left registered segments in /dev/shm"
+        w.kill()
