@@ -62,8 +62,10 @@ def settle(reg, collective: str, algo: str, auto: bool, x, y) -> str:
     if auto:
         return ALGO if held else ("ring" if algo == ALGO else algo)
     if algo == ALGO and not held:
+        if reg is not None and reg.n == 1:
+            return algo  # one rank: the read schedules are a local copy
         raise ValueError(f"{collective} algo={ALGO!r} reads the peers' buffers directly: buf and out "
-                         f"must come from comm.alloc(), on a communicator whose ranks share this host")
+                         f"must come from comm.alloc(), on a communicator whose ranks all share this host")
     return algo
 
 

@@ -300,3 +300,38 @@ def test_names_are_unlinked_on_sigterm_inside_alloc():
         assert w.procs[0].exitcode == -signal.SIGTERM
         assert glob.glob(pattern) == [], "SIGTERM left registered segments in /dev/shm"
         w.kill()
+
+
+def test_one_rank_and_forced_tcp_keep_working():
+    with ringcomm.init(0, 1) as comm:  # a world of one: alloc is ordinary memory, "read" a local copy
+        a = comm.alloc((2, 3), np.float64)
+        a[:] = 2
+        out = comm.alloc(6, np.float64)
+        comm.all_reduce(a, out=out, algo="read")
+        assert out.tolist() == [2.0] * 6 and a.shape == (2, 3)
+
+
+def _tcp_alloc(comm):
+    import ringcomm as rc
+    os.environ["RINGCOMM_TRANSPORT"] = "tcp"
+    try:
+        other = rc.init(comm.rank, comm.world_size, store=comm._store)
+    finally:
+        del os.environ["RINGCOMM_TRANSPORT"]
+    a = other.alloc(100, np.float32)  # no shared memory between the ranks: an ordinary array
+    a[:] = comm.rank + 1
+    other.all_reduce(a)
+    try:
+        other.all_reduce(a, algo="read")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    other.close()
+    return float(a[0]), refused
+
+
+@pytest.mark.timeout(120)
+def test_alloc_without_shared_memory_is_ordinary_memory():
+    with World(2) as w:
+        for total, refused in w.run(_tcp_alloc, timeout=60):
+            assert total == 3.0 and "all share this host" in refused
