@@ -1,26 +1,14 @@
-"""Registered buffers: ``comm.alloc`` memory that the host's other ranks map, and the one-copy engine.
+"""Registered buffers: ``comm.alloc`` memory that the host's other ranks map.
 
 The host twin of CUDA IPC and of NCCL's ncclMemAlloc plus window registration. ``alloc`` is a
 *collective* call: every rank calls it, in the same order, with the same shape and dtype (NCCL's
 symmetric windows ask the same), so the k-th allocation of every rank is known to all: each rank
-creates a /dev/shm segment (mode 0600), publishes its name in the store and maps every peer's.
-Collectives whose buffers all lie in such segments run the "read" algorithms
+creates a /dev/shm segment (mode 0600), publishes its name in the store and maps every peer's,
+plus, at its first alloc, a small control segment that the one-copy protocol runs on
+(read_engine.py). Collectives whose buffers all lie in such segments run the "read" algorithms
 (schedule/onecopy.py): each rank reads its peers' buffers directly, one copy instead of two.
-
-Synchronisation goes through one small *control* segment per rank, written only by its owner and
-read by its peers (int64 words, each published by a plain store after what it announces: x86
-keeps stores in order, as transport/shm.py explains and checks):
-
-    CALLS        registered calls this rank has entered; the descriptor below belongs to the last
-    DESC..+3     where this call's input and output are: (allocation index, byte offset) each
-    SYNC + p     syncs this rank has reached with rank p (step kind "sync"), for the whole run
-    PID, CLOSED  liveness, as in transport/shm.py; MAPPED: allocations whose peers this rank mapped
-
-A read of peer q's input waits until q's CALLS reaches this call (q has entered it and its
-descriptor is valid); a sync waits until each peer's SYNC count for this rank catches up. Every
-schedule ends with a sync with each peer it read, so no rank returns (and lets its caller
-overwrite the buffer) while a peer still reads it. Every wait has the communicator's deadline,
-hears abort(), checks the peer's pid (a zombie counts as dead) and feeds the watchdog.
+Every wait here has the communicator's deadline, hears abort(), checks the peer's pid (a zombie
+counts as dead, transport.base.pid_alive) and feeds the watchdog.
 
 Lifetime: an allocation stays shared until ``comm.close()``. After that the array stays valid
 memory of this process (the mapping lives as long as the array does), but it is private: the
@@ -28,8 +16,8 @@ peers have unmapped it. Segment names leave /dev/shm before alloc returns: alloc
 every peer has mapped them (so a rank that closes at once cannot pull a name from under a slower
 peer), then unlinks them; if alloc fails, close, exit and SIGTERM unlink them (shm.unlink_named).
 
-The engine is Python (numpy over whole chunks, cut into cache-sized pieces where it reduces);
-the native engine does not run these steps.
+The engine (read_engine.py) is Python: numpy over whole chunks, cut into cache-sized pieces where
+it reduces; the native engine does not run these steps.
 """
 from __future__ import annotations
 
@@ -45,12 +33,10 @@ from ringcomm.transport.base import PATROL_PERIOD, Aborted, Backoff, PeerGone, P
 
 from .buffers import address
 from .errors import CollectiveTimeout, RingcommError
+from .read_engine import CLOSED, MAPPED, PID, SYNC, ReadEngine
 from .schedule.onecopy import ALGO
-from .schedule.step import chunk_span
 
 MAGIC = 0x52434D5247310001  # "RCMRG1", layout version 1
-PID, CLOSED, CALLS, MAPPED, DESC, SYNC = 1, 2, 3, 4, 8, 16
-PIECE_BYTES = 256 * 1024     # a reduction works on pieces this big, so repeated passes stay in L2
 _serial = 0                  # segments this process has created
 
 
@@ -120,9 +106,7 @@ class Registry:
         self.peers: dict = {}           # (peer, k) -> _Map; (peer, "ctl") -> its control segment
         self.ctl = None                 # this rank's control segment
         self.named: list = []           # paths of this rank's segments still in /dev/shm
-        self.calls = 0
-        self.syncs = [0] * world_size
-        self.scratch: dict = {}
+        self.engine = ReadEngine(self)
         self.closed = False
 
     def _others(self):
@@ -178,7 +162,7 @@ class Registry:
 
         for p in self._others():
             theirs = self.peers[p, "ctl"].bytes.view(np.int64)
-            self._wait(p, lambda: theirs[MAPPED] >= k + 1, explain)
+            self.wait(p, lambda: theirs[MAPPED] >= k + 1, explain)
         for path in self.named:
             shm.unlink_tracked(path)
         self.named = []
@@ -224,97 +208,13 @@ class Registry:
     def holds(self, x, y) -> bool:
         return bool(self.mine) and self.locate(x) is not None and self.locate(y) is not None
 
-    # ---- the engine ----------------------------------------------------------------------------
+    # ---- the engine (read_engine.py) and the waits both use --------------------------------------
 
     def run(self, ex, sched, call) -> None:
-        """Run a "read" schedule (one round: the whole buffer) on registered buffers."""
-        words = self.ctl.bytes.view(np.int64)
-        words[DESC:DESC + 4] = (*self.locate(call.inp), *self.locate(call.out))
-        self.calls += 1
-        words[CALLS] = self.calls  # after the descriptor (x86 store order): peers may read it now
-        views: dict = {}
-        fn = kernels.elementwise(call.op, call.inp.dtype)
-        ex._call, ex._nsteps = call, len(sched.steps)
-        with np.errstate(all="ignore"):
-            for i, step in enumerate(sched.steps):
-                ex._step = i
-                if step.kind == "sync":
-                    self._sync(ex, call, step.remote)
-                else:
-                    self._step(ex, sched, call, step, fn, views)
+        """Run a "read" schedule on registered buffers (the executor's hook)."""
+        self.engine.run(ex, sched, call)
 
-    def _step(self, ex, sched, call, step, fn, views) -> None:
-        m, me = call.m, self.rank
-        io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
-        oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
-        out = call.out[oo:oo + k]
-        if step.kind == "copy":
-            if address(out) != address(call.inp[io:io + k]):
-                out[...] = call.inp[io:io + k]
-            return
-        if step.reads == "out":
-            srcs = [self._view(ex, call, step.remote[0], "out", views)[oo:oo + k]]
-        else:
-            srcs = [call.inp[io:io + k] if q == me else self._view(ex, call, q, "in", views)[io:io + k]
-                    for q in step.remote]
-        if not step.reduces:
-            out[...] = srcs[0]
-            return
-        mine = [i for i, q in enumerate(step.remote) if q == me]
-        self._reduce(out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]))
-        if step.final:
-            kernels.postprocess(out, call.op, self.n)
-
-    def _reduce(self, out, srcs, fn, via_scratch: bool) -> None:
-        """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
-        input (in place) and that input is not among the first two operands, the first operation
-        would overwrite it before it is read: those pieces are built in a scratch buffer."""
-        piece = max(1, PIECE_BYTES // out.itemsize)
-        scratch = self._scratch(out.dtype, piece) if via_scratch else None
-        for a in range(0, out.size, piece):
-            b = min(a + piece, out.size)
-            acc = scratch[:b - a] if via_scratch else out[a:b]
-            fn(srcs[0][a:b], srcs[1][a:b], out=acc)
-            for s in srcs[2:]:
-                fn(acc, s[a:b], out=acc)
-            if via_scratch:
-                out[a:b] = acc
-
-    def _scratch(self, dtype, size) -> np.ndarray:
-        buf = self.scratch.get(dtype)
-        if buf is None or buf.size < size:
-            buf = self.scratch[dtype] = np.empty(size, dtype)
-        return buf
-
-    def _view(self, ex, call, q: int, which: str, views: dict) -> np.ndarray:
-        """Peer q's input or output of this call, once q has entered it."""
-        got = views.get((q, which))
-        if got is not None:
-            return got
-        words = self.peers[q, "ctl"].bytes.view(np.int64)
-        doing = f"waiting for {call.name} #{call.seq} to start so as to read the registered buffer of"
-        self._wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex)
-        at = DESC if which == "in" else DESC + 2
-        k, off = int(words[at]), int(words[at + 1])
-        arr = call.inp if which == "in" else call.out
-        seg = self.peers.get((q, k))
-        if seg is None or off + arr.nbytes > seg.size:
-            raise RingcommError(f"rank {self.rank} (this process): rank {q}'s {which}put of {call.name} "
-                                f"#{call.seq} does not fit its allocation #{k}: the ranks passed different sizes")
-        got = views[q, which] = seg.bytes[off:off + arr.nbytes].view(arr.dtype)
-        return got
-
-    def _sync(self, ex, call, peers) -> None:
-        words, me = self.ctl.bytes.view(np.int64), self.rank
-        for p in peers:  # arrive at every pair's barrier first, then wait: no order can deadlock
-            self.syncs[p] += 1
-            words[SYNC + p] = self.syncs[p]
-        for p in peers:
-            theirs, want = self.peers[p, "ctl"].bytes.view(np.int64), self.syncs[p]
-            doing = f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"
-            self._wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex)
-
-    def _wait(self, peer: int, ready, explain, ex=None) -> None:
+    def wait(self, peer: int, ready, explain, ex=None) -> None:
         """Spin, yield, sleep (transport Backoff) until ready(); abort, liveness, watchdog, deadline
         as in transport/shm.py; explain(error) is what is raised (the executor's messages in a call).
         ``ex``: the executor, told where this rank waits (for the watchdog's table)."""

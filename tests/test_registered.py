@@ -115,7 +115,7 @@ def _run_case(comm, case, area):
     x = area[:insize * dt.itemsize].view(dt)                     # the input, at the area's start
     o = area[half:half + max(count * n, count) * dt.itemsize].view(dt)  # outputs, from the middle
     x[...] = inputs[r]
-    calls = comm._registry.calls
+    calls = comm._registry.engine.calls
     if coll == "all_reduce":
         got = comm.all_reduce(x, case["op"], out=None if case["inplace"] else o[:count])
         want = reference(case, inputs)
@@ -139,7 +139,7 @@ def _run_case(comm, case, area):
         out = x[r * count:(r + 1) * count] if case["inplace"] else o[:count]
         got = comm.reduce_scatter(x, out, case["op"])
         want = reference(case, inputs)[r * count:(r + 1) * count]
-    if comm._registry.calls != calls + (count > 0):
+    if comm._registry.engine.calls != calls + (count > 0):
         return f"{case}: did not run the read algorithm"
     return compare(np.array(got), want, {**case, "buffers": "registered"})
 
