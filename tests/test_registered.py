@@ -78,6 +78,20 @@ def test_wrong_reduction_is_caught():
     assert not rep.ok and "final" in rep.postcondition
 
 
+def _everyone_reduces_everything(rank, n):
+    """Right out of place, wrong in place: each rank reduces every chunk itself, so it overwrites
+    its input chunks while the peers still read them."""
+    steps = tuple(read_reduce_copy(c, tuple(range(n))) for c in range(n)) + (sync(tuple(q for q in range(n) if q != rank)),)
+    return Schedule("all_reduce", "everyone", rank, n, n, SPLIT, SPLIT, steps)
+
+
+def test_overwriting_an_input_that_a_peer_reads_is_caught():
+    rep = verify_schedules("all_reduce", [_everyone_reduces_everything(r, 3) for r in range(3)], 100)
+    assert not rep.ok and "in place" in rep.postcondition, rep.postcondition
+    with pytest.raises(ringcomm.algorithms.ScheduleError, match="in place"):
+        ringcomm.register_algorithm("everyone", "all_reduce", _everyone_reduces_everything, sizes=(3,))
+
+
 def test_cost_and_viz_see_the_reads():
     one = ringcomm.cost("all_reduce", "read", 4, 4 << 20, alpha=1e-5, beta=1e-10, gamma=1e-10)
     assert one > 0

@@ -12,6 +12,11 @@ The model, as ringcomm/registered.py runs it:
 - ``read_out_copy`` of rank q's output chunk c reads it as it was when q reached the sync that
   the reader has passed last with q: it must have been written by then, and not rewritten since
   (a write after that sync races with the read).
+- In place (the output over the input: the same chunk under the SPLIT layouts, the rank's own
+  block of the BLOCK side otherwise), a rank must not overwrite an input chunk that a peer reads
+  in the same phase, nor before it (the peer would read the result, not the input). The check
+  holds for every call, so a schedule that passes is safe in place and out of place; storing a
+  chunk's own input value again (all_gather's own block) changes nothing and is allowed.
 - Static rules (validate): the peers exist; read_reduce_copy combines this rank's own input with
   at least one peer's; every read of a peer is followed, later in the schedule, by a sync with
   that peer, so no rank leaves the call while another still reads its buffers.
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .step import OWN
+from .step import BLOCK, OWN, SPLIT
 
 
 class _State:
@@ -32,6 +37,7 @@ class _State:
         self.arrivals = defaultdict(lambda: defaultdict(int))
         self.pending = {}
         self.seen = {}
+        self.input_reads = defaultdict(set)  # (round, owner, reader, pair phase) -> input chunks read
 
 
 def _state(sim) -> _State:
@@ -74,6 +80,7 @@ def advance(sim, st, step) -> bool:
         if ps.pending.get(me) != here:  # arrive once: count it and keep what our outputs hold now
             ps.pending[me] = here
             for p in step.remote:
+                _check_overwrites(sim, st, p)
                 ps.arrivals[me][p] += 1
                 ps.seen[me, p, ps.arrivals[me][p]] = (st.round, list(sim.outputs[st.round][me]))
         if any(ps.arrivals[p][me] < ps.arrivals[me][p] for p in step.remote):
@@ -91,7 +98,51 @@ def advance(sim, st, step) -> bool:
         if other.round > st.round or other.done:
             raise _error(sim)(f"{st.where()} reads rank {q}'s buffer after rank {q} left round {st.round}")
         st.known.add((q, st.round))
+        if step.reads == "in":
+            key = q if st.sched.in_layout == OWN else step.chunk
+            cell = _cell_over(other.sched, key)
+            if cell is not None and _changes(sim.outputs[st.round][q][cell], q, key):
+                raise _error(sim)(f"{st.where()} reads rank {q}'s input chunk {key}, which rank {q} has already "
+                                  f"overwritten with its output when the call is in place")
+            ps.input_reads[st.round, q, me, ps.arrivals[me][q]].add(key)
     return True
+
+
+def _cell_over(s, key):
+    """The output cell of schedule ``s`` that lies over its input chunk ``key`` in place, or None."""
+    if s.in_layout == SPLIT and s.out_layout == SPLIT:
+        return key
+    if s.in_layout == BLOCK and s.out_layout == OWN:   # out is block ``rank`` of the input
+        return s.rank % s.nchunks if key == s.rank else None
+    if s.in_layout == OWN and s.out_layout == BLOCK:   # the input is block ``rank`` of out
+        return s.rank if key == s.rank else None
+    return None
+
+
+def _changes(value, q, key) -> bool:
+    """Whether storing ``value`` over rank q's input chunk ``key`` changes it."""
+    from .simulate import Sym
+    return value is not None and value != Sym(((q, key),), (q, key))
+
+
+def _check_overwrites(sim, st, p) -> None:
+    """At st's arrival at a sync with p, which ends a phase of the pair: no output cell st wrote in
+    that phase may lie over an input chunk that p read in it."""
+    ps, me, s = _state(sim), st.sched.rank, st.sched
+    phase = ps.arrivals[me][p]
+    read = ps.input_reads.get((st.round, me, p, phase))
+    if not read:
+        return
+    rd, before = ps.seen.get((me, p, phase), (None, None))
+    now = sim.outputs[st.round][me]
+    for key in read:
+        cell = _cell_over(s, key)
+        if cell is None:
+            continue
+        old = before[cell] if rd == st.round else None
+        if now[cell] is not old and _changes(now[cell], me, key):
+            raise _error(sim)(f"{st.where()}: rank {me} overwrote its input chunk {key} (in place) in the phase "
+                              f"in which rank {p} reads it: no sync between the read and the write")
 
 
 def value(sim, st, step, where: str):
