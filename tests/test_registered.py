@@ -202,10 +202,16 @@ def _misuse(comm):
     return out
 
 
-@pytest.mark.timeout(120)
-def test_misuse_is_refused_before_any_byte_moves():
+@pytest.fixture(scope="module")
+def pair():
+    """Two ranks that several tests share (starting a world costs seconds)."""
     with World(2, timeout=30) as w:
-        res = w.run(_misuse, timeout=60)
+        yield w
+
+
+@pytest.mark.timeout(120)
+def test_misuse_is_refused_before_any_byte_moves(pair):
+    res = pair.run(_misuse, timeout=60)
     for r, out in enumerate(res):
         assert out["read on plain"].startswith("ValueError") and "comm.alloc()" in out["read on plain"]
         assert out["read with plain out"].startswith("ValueError")
@@ -263,9 +269,8 @@ def _after_close(comm):
 
 
 @pytest.mark.timeout(120)
-def test_arrays_stay_valid_after_close():
-    with World(2) as w:
-        assert w.run(_after_close, timeout=60) == [(8, 48, True)] * 2
+def test_arrays_stay_valid_after_close(pair):
+    assert pair.run(_after_close, timeout=60) == [(8, 48, True)] * 2
 
 
 _KEPT = {}  # per rank process: arrays kept between two calls of a world
@@ -345,7 +350,6 @@ def _tcp_alloc(comm):
 
 
 @pytest.mark.timeout(120)
-def test_alloc_without_shared_memory_is_ordinary_memory():
-    with World(2) as w:
-        for total, refused in w.run(_tcp_alloc, timeout=60):
-            assert total == 3.0 and "all share this host" in refused
+def test_alloc_without_shared_memory_is_ordinary_memory(pair):
+    for total, refused in pair.run(_tcp_alloc, timeout=60):
+        assert total == 3.0 and "all share this host" in refused
