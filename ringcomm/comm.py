@@ -174,7 +174,7 @@ class Communicator:
 
     def _run(self, collective, algo, x, y, m, op, root, nbytes):
         auto = algo is None and self._forced_algo in ("", "read")  # RINGCOMM_ALGO=read: where it can
-        algo = settle(self._registry, collective, self._pick_algo(collective, algo, nbytes), auto, x, y)
+        algo = settle(self._registry, collective, self._pick_algo(collective, algo, nbytes), auto, x, y, nbytes)
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
         seq = self._next_seq()
         self._fingerprint(collective, algo, x, m, op, root, seq)

@@ -15,6 +15,7 @@ import ringcomm
 from cases import COLLECTIVES, DTYPES, OPS, compare, make_input, reference
 from harness import World
 from ringcomm import catalogue
+from ringcomm.registered import READ_MIN_BYTES
 from ringcomm.schedule.onecopy import read_all_reduce
 from ringcomm.schedule.simulate import ScheduleError, check
 from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync
@@ -112,7 +113,7 @@ def _cases(n):
         for dtype in DTYPES[::3] + ("float32",):
             op = OPS[i % len(OPS)] if dtype != "float32" else "sum"
             count = (0, 1, 7, 1000)[i % 4] if dtype != "float32" else (BIG if coll == "all_reduce" else 1001)
-            cases.append(dict(collective=coll, dtype=dtype, op=op, count=count, algo=None,
+            cases.append(dict(collective=coll, dtype=dtype, op=op, count=count, algo="read",
                               root=(0, n - 1)[i % 2], inplace=bool(i % 3), seed=i))
             i += 1
     return cases
@@ -131,27 +132,27 @@ def _run_case(comm, case, area):
     x[...] = inputs[r]
     calls = comm._registry.engine.calls
     if coll == "all_reduce":
-        got = comm.all_reduce(x, case["op"], out=None if case["inplace"] else o[:count])
+        got = comm.all_reduce(x, case["op"], out=None if case["inplace"] else o[:count], algo=case["algo"])
         want = reference(case, inputs)
     elif coll == "reduce":
         out = None if case["inplace"] else o[:count]
         if out is not None:
             out[...] = 0
-        got = comm.reduce(x, root, case["op"], out=out)
+        got = comm.reduce(x, root, case["op"], out=out, algo=case["algo"])
         want = reference(case, inputs) if r == root else (inputs[r] if case["inplace"] else np.zeros_like(x))
     elif coll == "broadcast":
-        got = comm.broadcast(x, root)
+        got = comm.broadcast(x, root, algo=case["algo"])
         want = inputs[root]
     elif coll == "all_gather":
         out = o[:count * n]
         if case["inplace"]:
             out[r * count:(r + 1) * count] = x
             x = out[r * count:(r + 1) * count]
-        got = comm.all_gather(x, out)
+        got = comm.all_gather(x, out, algo=case["algo"])
         want = np.concatenate(inputs)
     else:
         out = x[r * count:(r + 1) * count] if case["inplace"] else o[:count]
-        got = comm.reduce_scatter(x, out, case["op"])
+        got = comm.reduce_scatter(x, out, case["op"], algo=case["algo"])
         want = reference(case, inputs)[r * count:(r + 1) * count]
     if comm._registry.engine.calls != calls + (count > 0):
         return f"{case}: did not run the read algorithm"
@@ -190,6 +191,11 @@ def _misuse(comm):
             out[name] = "accepted"
         except (TypeError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e}"
+    big = comm.alloc(READ_MIN_BYTES // 4, np.float32)
+    calls = comm._registry.engine.calls
+    comm.all_reduce(a)  # automatic choice: the ring below READ_MIN_BYTES, "read" from there
+    comm.all_reduce(big)
+    out["auto"] = comm._registry.engine.calls - calls
     a[:] = comm.rank + 1
     comm.all_reduce(a, algo="ring")  # registered memory also works with every other algorithm
     out["ring"] = float(a[0])
@@ -217,14 +223,14 @@ def test_misuse_is_refused_before_any_byte_moves(pair):
         assert out["read with plain out"].startswith("ValueError")
         assert out["bad dtype"].startswith("TypeError") and out["bad shape"].startswith("ValueError")
         assert out["shape type"].startswith("TypeError")
-        assert out["ring"] == 3.0 and out["plain"] == 2.0
-        assert "alloc #1 has" in out["sizes"] and f"on rank {1 - r}" in out["sizes"]
+        assert out["ring"] == 3.0 and out["plain"] == 2.0 and out["auto"] == 1
+        assert "alloc #2 has" in out["sizes"] and f"on rank {1 - r}" in out["sizes"]
 
 
 def _one_side(comm):
     a = comm.alloc(1000, np.float32)
     if comm.rank == 0:
-        comm.all_reduce(a)  # rank 1 never enters: rank 0 must time out, naming both ranks
+        comm.all_reduce(a, algo="read")  # rank 1 never enters: rank 0 must time out, naming both ranks
     return _segments()
 
 
@@ -282,7 +288,7 @@ def _alloc(comm):
 
 
 def _enter(comm):
-    comm.all_reduce(_KEPT["a"])  # waits for rank 1, which is killed instead of entering
+    comm.all_reduce(_KEPT["a"], algo="read")  # waits for rank 1, which is killed instead of entering
 
 
 @pytest.mark.timeout(120)
