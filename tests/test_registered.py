@@ -359,3 +359,22 @@ def _tcp_alloc(comm):
 def test_alloc_without_shared_memory_is_ordinary_memory(pair):
     for total, refused in pair.run(_tcp_alloc, timeout=60):
         assert total == 3.0 and "all share this host" in refused
+
+
+def _mixed(comm):
+    a = comm.alloc(READ_MIN_BYTES // 4, np.float32)  # every rank allocates (collective) ...
+    buf = a if comm.rank == 0 else np.ones(a.size, np.float32)  # ... but rank 1 passes plain memory
+    try:
+        comm.all_reduce(buf)
+        return "ran"
+    except ringcomm.RingcommError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.timeout(120)
+def test_debug_check_names_a_rank_that_passes_plain_memory():
+    with World(2, {"RINGCOMM_DEBUG": "check"}, timeout=30) as w:
+        answers = w.run(_mixed, timeout=60)
+    for text in answers:  # both ranks raise, naming what each called, instead of waiting for the timeout
+        assert text.startswith("CollectiveMismatch") and "rank 0 called collective #1: all_reduce(" in text
+        assert "algo=read)" in text and text.count("algo=read") == 1, text
