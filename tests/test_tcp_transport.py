@@ -85,7 +85,10 @@ def test_wrong_token_or_garbage_is_refused_and_good_peers_still_connect(transpor
         for junk in [b"GET / HTTP/1.1\r\n\r\n" * 4, b"RCTC", b""]:
             with socket.create_connection((host, int(port)), timeout=5) as raw:
                 raw.sendall(junk)
-                raw.shutdown(socket.SHUT_WR)
+                try:
+                    raw.shutdown(socket.SHUT_WR)
+                except OSError:  # ENOTCONN: the transport has already dropped the junk, as it should
+                    pass
                 try:
                     assert raw.recv(16) == b""  # closed, not acknowledged
                 except ConnectionResetError:
