@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from . import check, model
+from . import check, model, reproducible as repro
 from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
@@ -19,12 +19,14 @@ from .schedule import p2p
 class Communicator:
     """A group of ranks that run collectives together. Make one with ringcomm.init()."""
 
-    def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix):
+    def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix,
+                 roster=None):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.timeout = timeout
         self._prefix = prefix
         self._store, self._links, self._executor = store, links, executor
         self._owns_store = owns_store
+        self._roster = roster  # every rank's meeting address, for shrink (ringcomm/roster.py)
         self._seq = 0          # every call, for messages
         self._ordinal = 0      # collectives only (all ranks call them), for RINGCOMM_DEBUG=check
         self._broken: str | None = None
@@ -37,14 +39,21 @@ class Communicator:
         self._auto: dict = {}  # (collective, size band) -> the algorithm automatic choice picked
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
         self._registry = None  # ringcomm.registered.Registry, made by the first alloc()
+        self._scratch: dict = {}  # reproducible mode's codes and limbs, kept between calls
 
     # ---- collectives -------------------------------------------------------------------------
 
-    def all_reduce(self, buf, op=SUM, *, out=None, algo=None):
-        """Reduce ``buf`` over all ranks; the result lands in ``out`` (default: ``buf`` itself)."""
+    def all_reduce(self, buf, op=SUM, *, out=None, algo=None, reproducible=False):
+        """Reduce ``buf`` over all ranks; the result lands in ``out`` (default: ``buf`` itself).
+
+        ``reproducible=True`` (sum and avg of float dtypes): every element's bits depend only on the
+        multiset of the ranks' inputs -- not on rank order, algorithm, slot settings, position or extra
+        ranks of zeros; the exact sum rounded once (see ringcomm.reproducible and docs/05)."""
         op = as_op(op)
         x = host_array(buf, "all_reduce buf", writable=out is None)
         y = x if out is None else self._out(out, x, x.size, "all_reduce")
+        if self._reproducible(reproducible, "all_reduce", algo, x, y, op, None):
+            return buf if out is None else out
         self._run("all_reduce", algo, x, y, x.size, op, None, x.nbytes)
         return buf if out is None else out
 
@@ -55,13 +64,18 @@ class Communicator:
         self._run("all_gather", algo, x, y, x.size, "sum", None, y.nbytes)
         return out
 
-    def reduce_scatter(self, buf, out, op=SUM, *, algo=None):
-        """``buf`` holds world_size blocks of out.size; rank r gets block r reduced over all ranks."""
+    def reduce_scatter(self, buf, out, op=SUM, *, algo=None, reproducible=False):
+        """``buf`` holds world_size blocks of out.size; rank r gets block r reduced over all ranks
+        (``reproducible=True``: the very bits all_reduce(reproducible=True) gives for those elements)."""
         op = as_op(op)
         x = host_array(buf, "reduce_scatter buf", writable=False)
         y = host_array(out, "reduce_scatter out", writable=True)
         same_dtype(x, y, "reduce_scatter buf and out")
         expect_size(x, y.size * self.world_size, f"reduce_scatter buf (world_size {self.world_size} x out.size)")
+        if overlaps(x, y) and not _aliases_ok(x, y, "reduce_scatter", self.rank):
+            raise ValueError("reduce_scatter: buf and out overlap without out being buf's own block")
+        if self._reproducible(reproducible, "reduce_scatter", algo, x, y, op, None):
+            return out
         self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
         return out
 
@@ -72,12 +86,15 @@ class Communicator:
         self._run("broadcast", algo, x, x, x.size, "sum", root, x.nbytes)
         return buf
 
-    def reduce(self, buf, root=0, op=SUM, *, out=None, algo=None):
-        """Like all_reduce, but only ``root`` gets the result (in ``out``, default ``buf``)."""
+    def reduce(self, buf, root=0, op=SUM, *, out=None, algo=None, reproducible=False):
+        """Like all_reduce, but only ``root`` gets the result (in ``out``, default ``buf``);
+        ``reproducible=True`` as for all_reduce, with the same bits."""
         op = as_op(op)
         self._check_rank(root, "reduce root")
         x = host_array(buf, "reduce buf", writable=out is None and self.rank == root)
         y = x if out is None else self._out(out, x, x.size, "reduce")
+        if self._reproducible(reproducible, "reduce", algo, x, y, op, root):
+            return buf if out is None else out
         self._run("reduce", algo, x, y, x.size, op, root, x.nbytes)
         return buf if out is None else out
 
@@ -122,6 +139,20 @@ class Communicator:
         self._check_rank(peer, "peer", not_me=True)
         return self._links.transport_for(peer)
 
+    # ---- sub-communicators (ringcomm/subcomm.py) ------------------------------------------------
+
+    def split(self, color, key=0):
+        """Collective: the ranks passing the same ``color`` (an int >= 0) form a new Communicator,
+        ranked by (key, rank); ``color=None`` takes part and returns None."""
+        from .subcomm import split
+        return split(self, color, key)
+
+    def shrink(self, exclude=None):
+        """A new Communicator of the live ranks less ``exclude`` (which do not call it), in the old
+        order; allowed on a communicator a failure broke, even after rank 0 died."""
+        from .subcomm import shrink
+        return shrink(self, exclude)
+
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def abort(self):
@@ -139,7 +170,10 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        self._scratch.clear()
         self._links.close()
+        if self._roster is not None:
+            self._roster.close()
         if self._device is not None:
             self._device.close()
         if self._registry is not None:
@@ -173,12 +207,25 @@ class Communicator:
     # ---- the work ------------------------------------------------------------------------------
 
     def _run(self, collective, algo, x, y, m, op, root, nbytes):
-        auto = algo is None and self._forced_algo in ("", "read")  # RINGCOMM_ALGO=read: where it can
+        # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
+        auto = self._forced_algo in ("", "read") and (algo is None or algo == self._forced_algo)
         algo = settle(self._registry, collective, self._pick_algo(collective, algo, nbytes), auto, x, y, nbytes)
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
         seq = self._next_seq()
         self._fingerprint(collective, algo, x, m, op, root, seq)
         self._execute(sched, Call(collective, seq, x, y, m, op))  # a ReduceOp is its name (a str)
+
+    def _reproducible(self, wanted, collective, algo, x, y, op, root) -> bool:
+        """Run the call in reproducible mode if ``wanted``; False (nothing done) if not."""
+        if not isinstance(wanted, (bool, np.bool_)):
+            raise TypeError(f"{collective}: reproducible must be True or False, got {wanted!r}")
+        if not wanted:
+            return False
+        fmt = repro.check(collective, x.dtype, op, self.world_size)
+        algo = self._pick_algo(collective, algo, x.size * fmt.NL * fmt.limb.itemsize)
+        if x.size:
+            repro.run(self, collective, algo, x, y, op, root)
+        return True
 
     def _fingerprint(self, collective, algo, x, m, op, root, seq):
         self._ordinal += 1
@@ -263,8 +310,11 @@ class Communicator:
 
 
 def _aliases_ok(x, y, name, rank) -> bool:
-    """In place is allowed where torch allows it: out is buf, or buf is out's own block."""
+    """In place is allowed where torch allows it: out is buf, or buf is out's own block (out is
+    buf's own block for reduce_scatter). schedule/spec.py models exactly these forms."""
     xp, yp = address(x), address(y)
     if name == "all_gather":
         return xp == yp + rank * x.nbytes
+    if name == "reduce_scatter":
+        return yp == xp + rank * y.nbytes
     return xp == yp and x.size == y.size

@@ -128,8 +128,7 @@ class Executor:
                 d[...] = value
         for _, c in recvs:
             c.release()
-        for _, c in sends:
-            c.post(nbytes)
+        self._post(sends, call, nbytes, nslice)
 
     def _device_slice(self, entry, call: Call) -> None:
         self._step, step, io, oo, k, nbytes, recvs, sends, nslice = entry
@@ -141,8 +140,16 @@ class Executor:
         call.dev.apply(step, call, call.inp[io:io + k], call.out[oo:oo + k], srcs, dsts, self.world_size)
         for _, c in recvs:
             c.release()
-        for _, c in sends:
-            c.post(nbytes)
+        self._post(sends, call, nbytes, nslice)
+
+    def _post(self, sends, call, nbytes, nslice) -> None:
+        # A tcp sender thread that lost its peer reports it at the next post(): explained like
+        # any wait's failure (try costs nothing in 3.11 until something raises).
+        try:
+            for _, c in sends:
+                c.post(nbytes)
+        except (PeerTimeout, PeerGone, Aborted) as e:
+            raise self._explain(e, f"sending slice {nslice} of {call.name} #{call.seq} to") from None
 
     def _wait(self, peer, conn, call, nbytes, nslice) -> np.ndarray:
         t0 = time.monotonic()

@@ -11,17 +11,12 @@ import os
 import signal
 import threading
 
+from .assemble import assemble
 from .comm import Communicator
 from .env import env_number
 from .errors import StoreError
-from .executor import Executor
-from .links import Links
-from .watchdog import Watchdog
-from ringcomm.transport.base import LinkContext
 
 DEFAULT_TIMEOUT = 300.0
-DEFAULT_BUFFSIZE = 4 * 1024 * 1024  # bytes of FIFO per connection, like NCCL_BUFFSIZE
-DEFAULT_NSLOTS = 8                  # like NCCL_STEPS
 
 _LAUNCHERS = (  # (rank, world size, local rank) variables, in order of preference
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -105,33 +100,5 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
         raise StoreError(f"rank {rank} (this process) could not join the job through the store: {e}") from None
 
 
-def _spins(world_size: int) -> int:
-    """RINGCOMM_SPINS, else 0 when this host's ranks outnumber its usable cores (a spinning
-    rank then holds the core the rank it waits for needs: measured on 4 ranks on 2 cores,
-    8-byte all_reduce 179 -> 124 us), else 200 (a hand-off in well under a microsecond)."""
-    raw = os.environ.get("RINGCOMM_SPINS")
-    if raw:
-        return int(env_number("RINGCOMM_SPINS", 200, int))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    return 0 if local > len(os.sched_getaffinity(0)) else 200
-
-
 def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Communicator:
-    # Every rank creates its communicators in the same order, so the k-th one of
-    # each rank gets the same k: a key prefix no other communicator uses.
-    k = store.add(f"ringcomm/comms/{rank}", 1)
-    buffsize = env_number("RINGCOMM_BUFFSIZE", DEFAULT_BUFFSIZE, int)
-    nslots = env_number("RINGCOMM_NSLOTS", DEFAULT_NSLOTS, int)
-    if nslots < 2:  # a step holds its incoming slot until it has an outgoing one: one slot deadlocks
-        raise ValueError(f"RINGCOMM_NSLOTS={nslots} must be at least 2: with one slot every ring "
-                         f"deadlocks (ringcomm.verify shows the cycle)")
-    slot_bytes = max(64, buffsize // nslots // 64 * 64)
-    watchdog = Watchdog(rank, world_size, store, f"c{k}")
-    ctx = LinkContext(rank=rank, world_size=world_size, store=store, prefix=f"c{k}", token=token,
-                      nslots=nslots, slot_bytes=slot_bytes, abort=threading.Event(), watchdog=watchdog,
-                      spins=_spins(world_size))
-    links = Links(ctx, timeout)
-    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots)
-    executor.watchdog, watchdog.position = watchdog, executor.position
-    return Communicator(rank, world_size, local_rank, store, links, executor,
-                        timeout=timeout, owns_store=owns_store, prefix=ctx.prefix)
+    return assemble(Communicator, rank, world_size, local_rank, store, owns_store, timeout, token)

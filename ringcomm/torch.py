@@ -11,6 +11,12 @@ queue in the order they are made and run one at a time, and each returns a Work 
 get_future() follow it. DDP's reducer calls allreduce from C++ and waits on the future with the
 GIL released, so the worker runs while backward goes on.
 
+Reproducible sums: with RINGCOMM_REPRODUCIBLE=1 in the environment when a group is made (or
+``ProcessGroupRingcomm.reproducible = True`` later), every float SUM / AVG the group reduces --
+all_reduce, reduce, reduce_scatter, so DDP's gradient buckets too -- runs with reproducible=True:
+its bits depend only on the multiset of the ranks' tensors. Other reductions (MIN, MAX, PRODUCT,
+integer dtypes) run as before: MIN, MAX and integer sums are order-independent already.
+
 Tensors are read and written in place through numpy views of their memory (bfloat16 through
 ml_dtypes); CPU tensors only for now. What the backend does not do raises NotImplementedError
 saying so. A Python ProcessGroup stands for the whole group (torch cannot take a Python backend
@@ -19,6 +25,7 @@ for one device only), so "cpu:ringcomm,cuda:nccl" would still route CUDA tensors
 from __future__ import annotations
 
 import atexit
+import os
 import weakref
 
 try:
@@ -59,6 +66,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self.comm = comm
         self._worker = Worker(comm.rank)
         self._seq = 0
+        self.reproducible = reproducible_from_env()
         _LIVE.add(self)
 
     def getBackendName(self) -> str:
@@ -66,6 +74,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def __repr__(self):
         return f"<ProcessGroupRingcomm rank {self.comm.rank} of {self.comm.world_size}>"
+
+    def _rp(self, op, view) -> dict:
+        """The reproducible keyword for one reduction: on where the group asks and it applies."""
+        on = self.reproducible and op in (ringcomm.SUM, ringcomm.AVG) and view.dtype.kind == "f"
+        return {"reproducible": True} if on else {}
 
     def _submit(self, name: str, outputs: list, fn) -> Work:
         self._seq += 1
@@ -77,14 +90,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         op = ring_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
         views = [host_view(t, "all_reduce tensor", reduce=True) for t in tensors]
         return self._submit("all_reduce", list(tensors),
-                            lambda: [self.comm.all_reduce(v, op) for v in views])
+                            lambda: [self.comm.all_reduce(v, op, **self._rp(op, v)) for v in views])
 
     allreduce_coalesced = allreduce  # a list of tensors, reduced one after another
 
     def reduce(self, tensors, opts):
         t, op = _one(tensors, "reduce"), ring_op(opts.reduceOp, "reduce")
         v = host_view(t, "reduce tensor", reduce=True)
-        return self._submit("reduce", [t], lambda: self.comm.reduce(v, opts.rootRank, op))
+        return self._submit("reduce", [t], lambda: self.comm.reduce(v, opts.rootRank, op, **self._rp(op, v)))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
@@ -103,7 +116,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
         def run():  # copies at run time, so earlier queued calls that write the inputs count
             torch.cat([t.detach().reshape(-1) for t in ins], out=flat)
-            self.comm.reduce_scatter(x, y, op)
+            self.comm.reduce_scatter(x, y, op, **self._rp(op, x))
         return self._submit("reduce_scatter", [out], run)
 
     def reduce_scatter_single(self, output, input, opts):
@@ -111,7 +124,8 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         same_kind(input, output, "reduce_scatter_tensor input and output")
         x = host_view(input, "reduce_scatter_tensor input", reduce=True)
         y = host_view(output, "reduce_scatter_tensor output", reduce=True)
-        return self._submit("reduce_scatter_tensor", [output], lambda: self.comm.reduce_scatter(x, y, op))
+        return self._submit("reduce_scatter_tensor", [output],
+                            lambda: self.comm.reduce_scatter(x, y, op, **self._rp(op, x)))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -187,6 +201,14 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         self.comm.close()
 
     abort = shutdown
+
+
+def reproducible_from_env() -> bool:
+    """RINGCOMM_REPRODUCIBLE: "1" on, "0" or unset off; anything else is a ValueError naming it."""
+    raw = os.environ.get("RINGCOMM_REPRODUCIBLE", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"RINGCOMM_REPRODUCIBLE={raw!r}: use 1 (reproducible float sums) or 0")
+    return raw == "1"
 
 
 def _create_process_group(store, rank, world_size, timeout):

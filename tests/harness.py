@@ -3,7 +3,8 @@
 A World is N spawned processes, each holding a Communicator, that run test
 functions on request: starting Python, numpy and the connections once per world
 instead of once per case keeps the collective matrix inside the time budget.
-The test process hosts the store. Every call has a deadline; a world that
+The test process hosts the store, unless ``rank0_hosts_store`` asks for rank 0 to host it as
+under ringcomm-run (so that killing rank 0 kills the store). Every call has a deadline; a world that
 misses one is killed. Closing a world checks that its ranks left no segment in
 /dev/shm.
 """
@@ -26,11 +27,15 @@ class WorldError(AssertionError):
     pass
 
 
-def _worker(rank, n, port, token, env, conn):
+def _worker(rank, n, port, token, env, conn, rank0_hosts_store=False):
     os.environ.update(env)
     import ringcomm
-    store = TCPStore("127.0.0.1", port, is_server=False, token=token, timeout=60)
-    comm = ringcomm.init(rank, n, store=store)
+    if rank0_hosts_store:  # MASTER_ADDR, MASTER_PORT and RINGCOMM_TOKEN are in env
+        store = None
+        comm = ringcomm.init(rank, n)
+    else:
+        store = TCPStore("127.0.0.1", port, is_server=False, token=token, timeout=60)
+        comm = ringcomm.init(rank, n, store=store)
     try:
         while True:
             msg = conn.recv()
@@ -43,20 +48,28 @@ def _worker(rank, n, port, token, env, conn):
                 conn.send(("err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
         comm.close()
-        store.close()
+        if store is not None:
+            store.close()
 
 
 class World:
-    def __init__(self, n: int, env: dict | None = None, timeout: float = 60.0):
+    def __init__(self, n: int, env: dict | None = None, timeout: float = 60.0, rank0_hosts_store=False):
         self.n = n
         self.job = "t" + secrets.token_hex(4)
         self.token = secrets.token_hex(8)
-        self.store = TCPStore("127.0.0.1", 0, is_server=True, token=self.token, timeout=timeout)
         env = {"RINGCOMM_JOB_ID": self.job, "RINGCOMM_TIMEOUT": str(timeout), **(env or {})}
+        if rank0_hosts_store:
+            from ringcomm.launch import free_port
+            self.store, port = None, free_port("127.0.0.1")
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RINGCOMM_TOKEN=self.token)
+        else:
+            self.store = TCPStore("127.0.0.1", 0, is_server=True, token=self.token, timeout=timeout)
+            port = self.store.port
         self.procs, self.conns = [], []
         for r in range(n):
             parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=_worker, args=(r, n, self.store.port, self.token, env, child), daemon=True)
+            p = SPAWN.Process(target=_worker, args=(r, n, port, self.token, env, child, rank0_hosts_store),
+                              daemon=True)
             p.start()
             child.close()
             self.procs.append(p)
@@ -107,7 +120,8 @@ class World:
         for p in self.procs:
             p.join(10)
         self.kill()
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
     def _reap(self):
         for p in self.procs:

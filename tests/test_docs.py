@@ -19,7 +19,8 @@ def blocks(page: pathlib.Path) -> list[str]:
 
 def test_every_deep_dive_has_code():
     names = [p.name for p in PAGES]
-    for want in ("01_ring_all_reduce.md", "02_trees.md", "03_cost_model.md", "04_your_own_algorithm.md"):
+    for want in ("01_ring_all_reduce.md", "02_trees.md", "03_cost_model.md", "04_your_own_algorithm.md",
+                 "05_reproducible_sums.md"):
         assert want in names
         assert blocks(DOCS / want), f"{want} has no python block"
 

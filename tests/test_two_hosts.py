@@ -17,6 +17,7 @@ import pytest
 import jobs
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts.py")
+SHRINK = os.path.join(os.path.dirname(__file__), "scripts", "shrink_two_hosts.py")
 SUBNET = "10.250.{}.{}"  # addresses live only on this test's own veth pair
 
 
@@ -99,3 +100,35 @@ def test_cut_link_between_hosts(two_hosts, tmp_path):
     for r, peer in ((0, 1), (1, 0)):
         assert re.search(rf"\[rank {r}\] ERROR rank {r} \(this process\) .*all_reduce #\d+ .*rank {peer} over tcp",
                          text), text
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_shrink_across_hosts_after_rank_0_died(two_hosts):
+    """Rank 0 (the store's host, on host A) is SIGKILLed: rank 1 beside it and ranks 2, 3 on host B
+    shrink to three ranks and all_reduce."""
+    (ns_a, dev_a, addr_a), (ns_b, _, _) = two_hosts
+    token = secrets.token_hex(8)
+    procs = []
+    for node, ns in enumerate((ns_a, ns_b)):
+        env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_TIMEOUT="10",
+                   RINGCOMM_JOB_ID=f"shr{node}{token[:6]}", RINGCOMM_BUFFSIZE="65536")
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "2", "--nnodes", "2",
+               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29519", "--grace", "60", SHRINK]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=90)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    text = "\n".join(outs)
+    assert "rank 0 failed first (killed by SIGKILL)" in text, text
+    assert procs[1].returncode == 0, text
+    for r in (1, 2, 3):
+        line = re.search(rf"\[rank {r}\] rank {r}: shrink took [\d.]+ s, now rank {r - 1} of 3 OK", text)
+        assert line, text
+        print(line.group(0))

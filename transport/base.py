@@ -76,30 +76,35 @@ class LinkContext:
     spins: int = 200
 
 
+def process_gone(pid: int) -> bool:
+    """True when no process ``pid`` runs on this host: absent, or a zombie (/proc/PID/stat state
+    Z or X). A SIGKILLed rank stays a zombie until its parent reaps it (a test harness, or a
+    launcher that is slow to wait()), and kill(pid, 0) succeeds on a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]  # the name in () may hold spaces
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False  # no /proc here: nothing proven
+    return state in ("Z", "X")
+
+
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs. A process that died but that its parent has not reaped
-    yet (a zombie, state Z; or X while it is being reaped) still answers kill(pid, 0), so the
-    state letter in /proc/PID/stat decides; it follows the command name, which is in parentheses
-    and may itself hold spaces and parentheses, hence the last ')'."""
+    """Whether process ``pid`` still runs: kill(pid, 0) answers, and it is no zombie (see
+    process_gone). 0 or less means "not attached yet": nothing to say, so True."""
     if pid <= 0:
-        return True  # not attached yet: nothing to say
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # another user's process: it exists; /proc still tells a zombie
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except FileNotFoundError:
-        return False  # reaped between the two looks
-    except OSError:
-        return True   # no /proc here: kill(pid, 0) is all there is
-    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    return not process_gone(pid)
 
 
 def wait_key(ctx: LinkContext, key: str, deadline: float, peer: int, transport: str) -> bytes:

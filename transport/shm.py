@@ -93,7 +93,7 @@ def remove_stale(job: str) -> list[str]:
     return removed
 
 
-_pid_alive = pid_alive  # the name cuda_ipc.py imports
+_pid_alive = pid_alive  # the name cuda_ipc.py and the tests import
 
 
 class _Segment:

@@ -86,8 +86,15 @@ class RingcommBackend(Backend):
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.algo = algo
 
-    def call(self, collective, inp, out, op, root, in_place):
-        c, a = self.comm, self.algo
+    def call(self, collective, inp, out, op, root, in_place, reproducible=False):
+        c, a, rp = self.comm, self.algo, reproducible
+        if rp:                      # only the reducing calls take it (ringcomm.bench.reproducible)
+            kw = {"algo": a, "reproducible": True}
+            if collective == "all_reduce":
+                return (lambda: c.all_reduce(inp, op, out=None if in_place else out, **kw)), out
+            if collective == "reduce_scatter":
+                return (lambda: c.reduce_scatter(inp, out, op, **kw)), out
+            return (lambda: c.reduce(inp, root, op, out=None if in_place else out, **kw)), out
         if collective == "all_reduce":
             return (lambda: c.all_reduce(inp, op, out=None if in_place else out, algo=a)), out
         if collective == "all_gather":

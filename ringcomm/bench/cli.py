@@ -2,7 +2,7 @@
 
     ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
                    --warmup W --check [--algo A] [--transport T] [--registered] [--json FILE] [--plot FILE.png]
-                   [--peer gloo|mpi|nccl]...
+                   [--peer gloo|mpi|nccl]... [--reproducible]
 
 It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one job after the
 other), and prints one table whose rows gain each peer's out-of-place time, busbw and the ratio
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import signal
 import sys
 
-from . import machine, report, spec
+from . import machine, report, reproducible, spec
 from .jobs import Job, JobFailed, PeerUnsupported, missing_reason
 
 PEERS = ("gloo", "mpi", "nccl")
@@ -54,6 +55,9 @@ def parse_args(argv):
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a job may go without finishing a row before it is stopped (default 600)")
     p.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    p.add_argument("--reproducible", action="store_true",
+                   help="time plain and reproducible=True calls alternately, print both and their ratio, "
+                        "and check that the reproducible bits are identical across runs, ranks and algorithms")
     a = p.parse_args(argv)
     try:
         a.datatype = spec.dtype_name(a.datatype)
@@ -70,6 +74,9 @@ def parse_args(argv):
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     a.peer = list(dict.fromkeys(a.peer))
+    why = reproducible.check_args(a) if a.reproducible else None
+    if why:
+        p.error(why)
     return a
 
 
@@ -92,13 +99,19 @@ def run_job(backend, a, algos, progress):
     cfg = {"collective": a.collective, "dtype": a.datatype, "op": a.op, "root": a.root, "sizes": a.sizes,
            "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
            "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
-           "registered": a.registered and backend == "ringcomm"}
+           "registered": a.registered and backend == "ringcomm",
+           "reproducible": a.reproducible}
     job = Job(backend, a.ranks, cfg)
     facts, pending, rows, ok = {}, {}, {}, False
     try:
         for ev in job.events():
             if ev["event"] == "start":
                 facts = ev["facts"]
+            elif ev["event"] == "repro":
+                label = ev["algo"] or "auto"
+                progress.step(f"ringcomm {label} {ev['size']} B plain and reproducible")
+                progress.done += 1      # the sweep counts two calls per size
+                rows.setdefault(label, []).append(ev)
             elif ev["event"] == "row":
                 label = ev["algo"] or "auto"
                 name = f"ringcomm {label}" if backend == "ringcomm" else backend
@@ -180,6 +193,11 @@ def _main(a, argv) -> int:
         print(f"ringcomm-bench: error: ringcomm's sweep failed: {e}", file=sys.stderr)
         return 1
     progress.note(f"ringcomm-bench: ringcomm done ({a.collective}, {a.ranks} ranks)")
+    if a.reproducible:
+        progress.close()
+        lines, ok = reproducible.table(a, mine["rows"], (_load(facts["loadavg_at_start"]), _load(os.getloadavg())))
+        print("\n".join(lines), flush=True)
+        return 0 if ok else 1
     peers, skipped = {}, {}
     for peer in a.peer:
         why = missing_reason(peer)
@@ -202,6 +220,10 @@ def _main(a, argv) -> int:
     if a.plot:
         _plot(a, mine, peers, memcpy)
     return 1 if report.out_of_bounds(rows) or report.out_of_bounds(peer_rows) else 0
+
+
+def _load(avg) -> str:
+    return "n/a" if avg is None else "%.2f" % avg[0]
 
 
 def _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows):

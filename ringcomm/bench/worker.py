@@ -20,7 +20,7 @@ import traceback
 
 import numpy as np
 
-from . import spec, verify
+from . import reproducible, spec, verify
 from .backends import Unsupported, make_backend, python_facts
 
 PREFIX = "RCBENCH "
@@ -141,6 +141,11 @@ def run(be, cfg) -> None:
         if be.name == "ringcomm":
             be.algo = algo
         for i, size in enumerate(cfg["sizes"]):
+            if cfg.get("reproducible"):
+                row = reproducible.measure(be, cfg, bufs, size)
+                if be.rank == 0:
+                    emit({**row, "algo": algo, "index": i})
+                continue
             for in_place in (False, True):
                 row = measure(be, cfg, tables, bufs, coll, size, in_place)
                 if be.rank == 0:

@@ -17,6 +17,23 @@ until the receiver's release. Every wait is on a condition that only the waiter
 can undo (only the receiver drains a FIFO, only the sender fills it), so whether
 the ranks finish does not depend on how they are interleaved: advancing each
 rank as far as it goes, in turns, until none moves is exact.
+
+Memory is modelled as the executor uses it too. A step reads its input chunk
+(when it does not receive, or when it reduces what it receives into the input)
+before it writes its output chunk, slice by slice. In place (``in_place=True``;
+spec.aliases says which output cell shares memory with which input chunk) a
+write that changes a cell's content is remembered, and a later read of that
+input is a READ_AFTER_WRITE failure naming both steps: the executor would read
+the new value there, not the rank's input. Writing back the same value (a rank
+copying its own block into place) changes nothing and is allowed, as the
+executor's in-place copy skip relies on. Because such a read is refused, every
+value a rank sends is the same in both forms, so checking "every rank in place"
+and "every rank out of place" also covers ranks that mix them.
+
+Value faults (counted twice, post-op misuse, read-after-write) are recorded in
+``Result.faults`` and the run goes on, so the FIFO model always runs to its end
+or to a real deadlock; faults that stop it (deadlock, unmatched messages) raise
+ScheduleError with every fault found so far.
 """
 from __future__ import annotations
 
@@ -24,56 +41,84 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from . import peer_read
-from .step import OWN, Schedule, Step
+from .faults import (DEADLOCK, MALFORMED, POST_OP, READ_AFTER_WRITE, TWICE, UNMATCHED, Failure,
+                     ScheduleError)
+from .spec import IN_PLACE, aliases, input_name, output_cell, postcondition, spec
+from .step import SPLIT, Schedule, Step
+from .values import Result, Sym
+
+__all__ = ["ScheduleError", "Failure", "Sym", "Result", "simulate", "check"]
+UNBOUNDED = 1 << 30  # slots: a FIFO that never fills
 
 
-class ScheduleError(ValueError):
-    """A schedule is wrong: it deadlocks, loses or duplicates data, or computes the wrong result."""
+def fifo(nslots: int, slices: int) -> str:
+    return f"nslots={'unbounded' if nslots >= UNBOUNDED else nslots}, slices={slices}"
 
 
-@dataclass(frozen=True)
-class Sym:
-    """A symbolic chunk value: the sorted contributions, how they were combined,
-    and whether the op's post-processing (AVG's division) has been applied."""
+def _validate(schedules: list[Schedule]) -> int:
+    n = len(schedules)
+    if n == 0:
+        raise ScheduleError([Failure(MALFORMED, None, None, None, "no schedules")])
+    nchunks = schedules[0].nchunks
+    for r, s in enumerate(schedules):
+        if not isinstance(s, Schedule):
+            raise ScheduleError([Failure(MALFORMED, r, None, None, f"rank {r}'s schedule is a "
+                                         f"{type(s).__name__}, not a Schedule")])
+        if s.rank != r or s.world_size != n:
+            raise ScheduleError([Failure(MALFORMED, r, None, None, f"schedule {r} says rank {s.rank} of "
+                                         f"{s.world_size}; expected rank {r} of {n}")])
+        if s.nchunks != nchunks or nchunks < 1:
+            raise ScheduleError([Failure(MALFORMED, r, None, None, f"rank {r} cuts a round into "
+                                         f"{s.nchunks} chunks, rank 0 into {nchunks}")])
+        if (s.in_layout == SPLIT) != (schedules[0].in_layout == SPLIT):
+            # a chunk's length (so the slices both ends of a FIFO cut) follows from in_layout
+            raise ScheduleError([Failure(MALFORMED, r, None, None, f"rank {r} cuts its input as "
+                                         f"{s.in_layout}, rank 0 as {schedules[0].in_layout}: their "
+                                         f"chunks, and so their slices, differ in length")])
+        for i, st in enumerate(s.steps):
+            bad = [p for p in st.src + st.dst if not 0 <= p < n or p == r]
+            if bad or not 0 <= st.chunk < nchunks:
+                raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"rank {r} step {i} {st}: chunk "
+                                             f"or peer out of range (n={n}, nchunks={nchunks})")])
+            if len(set(st.src)) < len(st.src) or len(set(st.dst)) < len(st.dst):
+                raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"rank {r} step {i} {st}: names "
+                                             f"a peer twice (a FIFO delivers one slice at a time)")])
+            if len(st.src) > 1 and not st.reduces:
+                raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"rank {r} step {i} {st}: "
+                                             f"receives from several peers without reducing")])
+    peer_read.validate(schedules)  # steps that read registered buffers
+    return n
 
-    terms: tuple[tuple[int, int], ...]
-    order: object  # a leaf (rank, chunk), or a tuple of the combined operands' orders
-    post: bool = False
 
-    @property
-    def ranks(self) -> frozenset[int]:
-        return frozenset(r for r, _ in self.terms)
-
-    def __str__(self) -> str:
-        def show(o):
-            if isinstance(o[0], int):
-                return f"x{o[0]}[{o[1]}]"
-            return "(" + " + ".join(show(x) for x in o) + ")"
-        return show(self.order) + ("/post" if self.post else "")
-
-
-def _combine(a: Sym, b: Sym, where: str) -> Sym:
-    dup = sorted(set(a.terms) & set(b.terms))
-    if dup:
-        raise ScheduleError(f"{where}: contribution(s) {dup} counted twice when combining {a} with {b}")
-    if a.post or b.post:
-        raise ScheduleError(f"{where}: reduces {a} with {b}, but one of them already had the op's "
-                            f"post-processing (AVG's division) applied by a final step")
-    return Sym(tuple(sorted(a.terms + b.terms)), (a.order, b.order))
-
-
-@dataclass
-class Result:
-    """What a simulation produced. Outputs are [rank][chunk]; under the OWN output layout a
-    rank has one output cell, shown at index rank % nchunks."""
-
-    outputs: list[list[Sym | None]]  # round 0
-    messages: int                    # slices posted, all rounds together
-    round_outputs: list[list[list[Sym | None]]] = field(default_factory=list)  # [round][rank][chunk]
-    # every final step's value, once per step: (round, rank, step index, step, value)
-    finals: list[tuple[int, int, int, Step, Sym]] = field(default_factory=list)
-    # [round][rank]: the ranks known (directly or through others) to have entered that round
-    knowledge: list[list[frozenset[int]]] = field(default_factory=list)
+def _check_pairing(schedules: list[Schedule]) -> None:
+    """Per connection a->b, the chunks a sends must be the chunks b receives, in the
+    same order: the FIFO delivers in send order, and a chunk's size (and whether it is
+    empty and skipped by both ends) follows from its index."""
+    n = len(schedules)
+    sent = {(a, b): [] for a in range(n) for b in range(n)}
+    taken = {(a, b): [] for a in range(n) for b in range(n)}
+    for s in schedules:
+        for i, st in enumerate(s.steps):
+            for b in st.dst:
+                sent[s.rank, b].append((st.chunk, i))
+            for a in st.src:
+                taken[a, s.rank].append((st.chunk, i))
+    failures = []
+    for (a, b), out in sent.items():
+        got = taken[a, b]
+        chunks, want = [c for c, _ in out], [c for c, _ in got]
+        if chunks == want:
+            continue
+        what = "in a different order" if sorted(chunks) == sorted(want) else "different chunks"
+        # where the two ends first part: the step on whichever side has the odd one out
+        k = next(k for k in range(max(len(out), len(got))) if k >= min(len(out), len(got))
+                 or out[k][0] != got[k][0])
+        rank, (chunk, step) = (a, out[k]) if k < len(out) else (b, got[k])
+        failures.append(Failure(UNMATCHED, rank, step, chunk, f"connection {a}->{b} of "
+                                f"{schedules[0].collective}: rank {a} sends chunks {chunks} per round "
+                                f"but rank {b} receives {want} ({what})"))
+    if failures:
+        raise ScheduleError(failures)
 
 
 @dataclass
@@ -107,50 +152,8 @@ class _Rank:
         return f"rank {self.sched.rank} round {self.round} step {self.index} {step} slice {self.slice}"
 
 
-def _validate(schedules: list[Schedule]) -> int:
-    n = len(schedules)
-    if n == 0:
-        raise ScheduleError("no schedules")
-    nchunks = schedules[0].nchunks
-    for r, s in enumerate(schedules):
-        if s.rank != r or s.world_size != n:
-            raise ScheduleError(f"schedule {r} says rank {s.rank} of {s.world_size}; "
-                                f"expected rank {r} of {n}")
-        if s.nchunks != nchunks:
-            raise ScheduleError(f"rank {r} cuts a round into {s.nchunks} chunks, rank 0 into {nchunks}")
-        for i, st in enumerate(s.steps):
-            bad = [p for p in st.src + st.dst if not 0 <= p < n or p == r]
-            if bad or not 0 <= st.chunk < nchunks:
-                raise ScheduleError(f"rank {r} step {i} {st}: chunk or peer out of range "
-                                    f"(n={n}, nchunks={nchunks})")
-            if len(st.src) > 1 and not st.reduces:
-                raise ScheduleError(f"rank {r} step {i} {st}: receives from several peers without reducing")
-    peer_read.validate(schedules, ScheduleError)  # steps that read registered buffers
-    return n
-
-
-def _check_pairing(schedules: list[Schedule]) -> None:
-    """Per connection a->b, the chunks a sends must be the chunks b receives, in the
-    same order: the FIFO delivers in send order, and a chunk's size (and whether it is
-    empty and skipped by both ends) follows from its index."""
-    n = len(schedules)
-    sent = {(a, b): [] for a in range(n) for b in range(n)}
-    taken = {(a, b): [] for a in range(n) for b in range(n)}
-    for s in schedules:
-        for st in s.steps:
-            for b in st.dst:
-                sent[s.rank, b].append(st.chunk)
-            for a in st.src:
-                taken[a, s.rank].append(st.chunk)
-    for (a, b), chunks in sent.items():
-        if chunks != taken[a, b]:
-            what = "in a different order" if sorted(chunks) == sorted(taken[a, b]) else "different chunks"
-            raise ScheduleError(f"connection {a}->{b} of {schedules[0].collective}: rank {a} sends chunks "
-                                f"{chunks} per round but rank {b} receives {taken[a, b]} ({what})")
-
-
 class _Sim:
-    def __init__(self, schedules, nslots, slices, rounds):
+    def __init__(self, schedules, nslots, slices, rounds, in_place=False):
         self.n, self.nslots, self.slices, self.rounds = len(schedules), nslots, slices, rounds
         self.ranks = [_Rank(s) for s in schedules]
         self.conns = {}
@@ -159,11 +162,25 @@ class _Sim:
         self.outputs = [[[None] * nchunks for _ in range(self.n)] for _ in range(rounds)]
         self.knowledge = [[frozenset()] * self.n for _ in range(rounds)]
         self.finals = []
+        self.faults: list[Failure] = []
+        self._seen: set = set()          # (kind, rank, step): each fault reported once, not per slice
+        self.writers: dict = {}          # (round, rank, output cell) -> step index
+        # In place: output cell -> the input chunk name in the same memory, per rank; and the
+        # input slices overwritten with a new value: (round, rank, name, slice) -> (step, value)
+        self.alias = [aliases(s) if in_place else {} for s in schedules]
+        self.overwritten: dict = {}
         for st in self.ranks:
             self._start_round(st)
 
     def conn(self, a: int, b: int) -> _Conn:
         return self.conns.setdefault((a, b), _Conn())
+
+    def _fault(self, kind, st: _Rank, detail: str, form=None) -> None:
+        key = (kind, st.sched.rank, st.index)
+        if key not in self._seen:
+            self._seen.add(key)
+            step = st.sched.steps[st.index]
+            self.faults.append(Failure(kind, st.sched.rank, st.index, step.chunk, detail, form))
 
     def _start_round(self, st: _Rank) -> None:
         while st.round < self.rounds:
@@ -189,7 +206,13 @@ class _Sim:
             self._deadlock()
         left = {k: len(c.queue) for k, c in self.conns.items() if c.queue}
         if left:
-            raise ScheduleError(f"messages left unreceived at the end (connection: slices): {left}")
+            (a, b), _ = next(iter(left.items()))
+            self._stop(Failure(UNMATCHED, a, None, None, f"messages left unreceived at the end "
+                                                          f"(connection: slices): {left}"))
+
+    def _stop(self, failure: Failure) -> None:
+        """A fault the run cannot go past: raise it after every value fault met so far."""
+        raise ScheduleError(self.faults + [failure])
 
     def _advance(self, st: _Rank) -> bool:
         """Finish one slice of st's current step, or return False where it must wait. What it
@@ -204,8 +227,9 @@ class _Sim:
                 return False
             msg = c.queue.popleft()
             if msg.tag != (st.round, step.chunk, st.slice):
-                raise ScheduleError(f"{st.where()} expected slice {st.slice} of chunk {step.chunk} "
-                                    f"(round {st.round}) but got {msg.tag} from {msg.origin}")
+                self._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} expected slice "
+                                   f"{st.slice} of chunk {step.chunk} (round {st.round}) but got "
+                                   f"{msg.tag} from {msg.origin}"))
             st.got.append(msg)
         while st.acquired < len(step.dst):
             c = self.conn(me, step.dst[st.acquired])
@@ -218,26 +242,27 @@ class _Sim:
 
     def _compute(self, st: _Rank, step: Step) -> None:
         s, me = st.sched, st.sched.rank
-        where = st.where()
-        own = (me, me) if s.in_layout == OWN else (me, step.chunk)
-        value = Sym((own,), own) if not step.recvs or step.reduces else st.got[0].value
-        if step.remote:
-            value = peer_read.value(self, st, step, where)
+        if step.remote:  # reads a peer's registered buffer, or syncs: schedule/peer_read.py
+            value = peer_read.value(self, st, step)
+        elif not step.recvs or step.reduces:  # reads the input, before anything is written
+            value = self._read(st, step, input_name(s, step.chunk))
+        else:
+            value = st.got[0].value
         for msg in st.got:
             st.known |= msg.known
             if step.reduces:
-                value = _combine(value, msg.value, where)
+                value = self._combine(st, value, msg.value)
             self.conn(msg.sender, me).used -= 1
-        if step.final:
+        if step.final:  # a combined value, never divided yet (_combine refuses divided operands)
             value = Sym(value.terms, value.order, post=True)
             if st.slice == 0:
                 self.finals.append((st.round, me, st.index, step, value))
         if step.copies:
-            out = me % s.nchunks if s.out_layout == OWN else step.chunk
-            self.outputs[st.round][me][out] = value
+            self._write(st, output_cell(s, step.chunk), value)
         known = frozenset(st.known)
         for b in step.dst:
-            self.conn(me, b).queue.append(_Msg((st.round, step.chunk, st.slice), value, known, me, where))
+            msg = _Msg((st.round, step.chunk, st.slice), value, known, me, st.where())
+            self.conn(me, b).queue.append(msg)
             self.messages += 1
         st.got, st.acquired = [], 0
         st.slice += 1
@@ -247,100 +272,98 @@ class _Sim:
                 self._end_round(st)
                 self._start_round(st)
 
+    def _read(self, st: _Rank, step: Step, name: int) -> Sym:
+        me = st.sched.rank
+        hit = self.overwritten.get((st.round, me, name, st.slice))
+        if hit is not None:
+            wrote, v = hit
+            self._fault(READ_AFTER_WRITE, st, f"rank {me} step {st.index} {step} reads its input chunk "
+                        f"{name} after step {wrote} {st.sched.steps[wrote]} wrote {v} into the same "
+                        f"memory: in place it would use that instead of x{me}[{name}]", IN_PLACE)
+        return Sym.leaf(me, name)  # the out-of-place value; the in-place one is refused above
+
+    def _write(self, st: _Rank, cell: int, value: Sym) -> None:
+        me = st.sched.rank
+        self.outputs[st.round][me][cell] = value
+        self.writers[st.round, me, cell] = st.index
+        name = self.alias[me].get(cell)
+        if name is not None:
+            key = (st.round, me, name, st.slice)
+            if value == Sym.leaf(me, name):
+                self.overwritten.pop(key, None)  # its own input written back: nothing changes
+            else:
+                self.overwritten[key] = (st.index, value)
+
+    def _combine(self, st: _Rank, a: Sym, b: Sym) -> Sym:
+        dup = sorted(set(a.terms) & set(b.terms))
+        if dup:
+            self._fault(TWICE, st, f"{st.where()}: contribution(s) {dup} counted twice when combining "
+                                   f"{a} with {b}")
+        if a.post or b.post:
+            self._fault(POST_OP, st, f"{st.where()}: reduces {a} with {b}, but one of them already had "
+                                     f"the op's post-processing (AVG's division) applied by a final step")
+        # duplicates stay in the terms, so the outputs show them too
+        return Sym(tuple(sorted(a.terms + b.terms)), (a.order, b.order))
+
     def _deadlock(self) -> None:
-        lines = []
+        lines, first = [], None
         for st in self.ranks:
             if st.done:
                 lines.append(f"rank {st.sched.rank}: finished")
                 continue
             step, me = st.sched.steps[st.index], st.sched.rank
+            first = first or st
             if step.remote:
                 wait = peer_read.waiting(self, st, step)[1]
             elif len(st.got) < len(step.src):
                 peer = step.src[len(st.got)]
                 wait = f"waits for a slice from rank {peer} (FIFO {peer}->{me} is empty)"
                 if self.ranks[peer].done:
-                    raise ScheduleError(f"{st.where()} waits for a slice from rank {peer}, "
-                                        f"which finished its schedule without sending it")
+                    self._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} waits for a "
+                                       f"slice from rank {peer}, which finished its schedule without "
+                                       f"sending it"))
             else:
                 peer = step.dst[st.acquired]
                 c = self.conn(me, peer)
                 wait = (f"waits for a free slot on FIFO {me}->{peer} ({len(c.queue)} of {self.nslots} "
                         f"slots posted and not yet taken, {c.used - len(c.queue)} held or acquired)")
             lines.append(f"{st.where()}: {wait}")
-        head = f"deadlock with nslots={self.nslots}, slices={self.slices}:\n  "
-        raise ScheduleError(head + "\n  ".join(lines))
+        head = f"deadlock with {fifo(self.nslots, self.slices)}:\n  "
+        self._stop(Failure(DEADLOCK, first.sched.rank, first.index, first.sched.steps[first.index].chunk,
+                           head + "\n  ".join(lines)))
 
 
 def simulate(schedules: list[Schedule], *, nslots: int = 2, slices: int = 1, rounds: int = 2,
-             root: int | None = None) -> Result:
+             root: int | None = None, in_place: bool = False) -> Result:
     """Run every rank's schedule for ``rounds`` rounds over FIFOs of ``nslots`` slots,
-    each step moving ``slices`` slices. ``root`` is accepted for symmetry with check()."""
+    each step moving ``slices`` slices. ``in_place``: model each rank's output as sharing
+    memory with its input (spec.aliases) and record reads of overwritten input as faults.
+    ``root`` is accepted for symmetry with check()."""
     if nslots < 1 or slices < 1 or rounds < 1:
         raise ValueError(f"need nslots, slices, rounds >= 1, got {nslots}, {slices}, {rounds}")
     _validate(schedules)
     _check_pairing(schedules)
-    sim = _Sim(schedules, nslots, slices, rounds)
+    sim = _Sim(schedules, nslots, slices, rounds, in_place)
     sim.run()
-    return Result(sim.outputs[0], sim.messages, sim.outputs, sim.finals, sim.knowledge)
-
-
-_REDUCTIONS = ("all_reduce", "reduce_scatter", "reduce")
-_COLLECTIVES = _REDUCTIONS + ("all_gather", "broadcast", "barrier")
-
-
-def _expected(collective: str, n: int, nchunks: int, rank: int, root: int | None):
-    """(output chunk index, contributions it must hold) for one rank."""
-    def full(c):
-        return tuple((q, c) for q in range(n))
-    if collective == "all_reduce":
-        return [(c, full(c)) for c in range(nchunks)]
-    if collective == "reduce_scatter":  # OWN output: the one cell sits at index rank % nchunks
-        return [(rank % nchunks, full(rank))]
-    if collective == "all_gather":      # OWN input: rank c's block is named (c, c)
-        return [(c, ((c, c),)) for c in range(nchunks)]
-    if collective == "broadcast":
-        return [(c, ((root, c),)) for c in range(nchunks)]
-    if collective == "reduce":
-        return [(c, full(c)) for c in range(nchunks)] if rank == root else []
-    return []
-
-
-def _check_round(collective, res, rd, n, nchunks, root):
-    if collective == "barrier":
-        for r, known in enumerate(res.knowledge[rd]):
-            if known != frozenset(range(n)):
-                missing = sorted(set(range(n)) - known)
-                raise ScheduleError(f"barrier round {rd}: rank {r} finished without hearing "
-                                    f"(even indirectly) from rank(s) {missing}")
-        return
-    for r in range(n):
-        for c, terms in _expected(collective, n, nchunks, r, root):
-            v = res.round_outputs[rd][r][c]
-            if v is None or v.terms != terms:
-                raise ScheduleError(f"{collective} round {rd}: rank {r} output chunk {c} is {v}, "
-                                    f"expected contributions {list(terms)}")
-            if collective in _REDUCTIONS and n > 1 and not v.post:
-                raise ScheduleError(f"{collective} round {rd}: rank {r} output chunk {c} = {v} never "
-                                    f"went through a final (reduce + copy) step, so AVG would not divide")
+    return Result(sim.outputs[0], sim.messages, sim.outputs, sim.finals, sim.knowledge, sim.faults,
+                  sim.writers)
 
 
 def check(collective: str, schedules: list[Schedule], root: int | None = None, **kw) -> Result:
-    """simulate() the schedules and check the result against ``collective``'s meaning;
-    every final step (where AVG divides) must also see the complete reduction."""
-    if collective not in _COLLECTIVES:
-        raise ValueError(f"check() knows {_COLLECTIVES}, not {collective!r}")
-    if collective in ("broadcast", "reduce") and root is None:
+    """simulate() the schedules and check the result against ``collective``'s meaning (spec.SPECS)
+    in every buffer form the API allows: out of place, and in place with the input and output
+    sharing memory. Every final step (where AVG divides) must also see the complete reduction.
+    Raises ScheduleError listing every Failure found."""
+    sp = spec(collective)
+    if sp.rooted and root is None:
         raise ValueError(f"check({collective!r}) needs the root")
-    for s in schedules:
-        if s.collective != collective:
-            raise ScheduleError(f"rank {s.rank}'s schedule is for {s.collective}, not {collective}")
-    res = simulate(schedules, **kw)
-    n, nchunks = len(schedules), schedules[0].nchunks
-    for rd, r, i, step, v in res.finals:
-        if v.ranks != frozenset(range(n)):
-            raise ScheduleError(f"round {rd} rank {r} step {i} {step} is final (AVG divides there) but "
-                                f"holds only {v}: missing rank(s) {sorted(set(range(n)) - v.ranks)}")
-    for rd in range(len(res.round_outputs)):
-        _check_round(collective, res, rd, n, nchunks, root)
+    for r, s in enumerate(schedules):
+        if isinstance(s, Schedule) and s.collective != collective:
+            raise ScheduleError([Failure(MALFORMED, r, None, None, f"rank {s.rank}'s schedule is for "
+                                         f"{s.collective}, not {collective}")])
+    res = simulate(schedules, in_place=IN_PLACE in sp.forms, **kw)
+    failures = list(res.faults)
+    failures += postcondition(collective, res, schedules, root)
+    if failures:
+        raise ScheduleError(failures)
     return res

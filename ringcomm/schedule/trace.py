@@ -14,25 +14,32 @@ from __future__ import annotations
 from collections import defaultdict
 
 from . import peer_read
-from .simulate import ScheduleError, _Sim
+from .faults import DEADLOCK, UNMATCHED, Failure, ScheduleError
+from .simulate import _Sim, fifo
+from .spec import output_cell
 
 
 class DeadlockError(ScheduleError):
-    """A deadlock, with ``trace``: the shortest list of events that leads to it, then the waits."""
+    """A deadlock, with ``trace``: the shortest list of events that leads to it, then the waits.
+    Its failures are the value faults met before it, then one DEADLOCK naming the first stuck
+    rank of the cycle."""
 
-    def __init__(self, message: str, trace: list[str], cycle: list[int]):
-        super().__init__(message)
+    def __init__(self, failure: Failure, trace: list[str], cycle: list[int], before=()):
+        super().__init__(list(before) + [failure])
         self.trace, self.cycle = trace, cycle
+
+    def __str__(self) -> str:  # the trace alone, as deadlock() has always returned it
+        return self.failures[-1].detail
 
 
 class TracingSim(_Sim):
-    def __init__(self, schedules, nslots, slices, rounds):
+    def __init__(self, schedules, nslots, slices, rounds, in_place=False):
         self.events: list[tuple[str, set[int]]] = []  # (description, causes)
         self.last: dict[int, int] = {}                 # rank -> its latest event
         self.acquires = defaultdict(int)               # (a, b) -> slots acquired so far
         self.releases = defaultdict(list)              # (a, b) -> events that released a slot
         self.values: dict = {}                         # (round, rank, out chunk, slice) -> Sym
-        super().__init__(schedules, nslots, slices, rounds)
+        super().__init__(schedules, nslots, slices, rounds, in_place)
 
     def _compute(self, st, step):
         me, eid = st.sched.rank, len(self.events)
@@ -48,7 +55,7 @@ class TracingSim(_Sim):
         for b in step.dst:
             self.conn(me, b).queue[-1].event = eid
         if step.copies:
-            out = me % s.nchunks if s.out_layout == "own" else step.chunk
+            out = output_cell(s, step.chunk)
             self.values[rd, me, out, sl] = self.outputs[rd][me][out]
         verb = []
         if step.src:
@@ -75,8 +82,9 @@ class TracingSim(_Sim):
             elif len(st.got) < len(step.src):
                 peer = step.src[len(st.got)]
                 if self.ranks[peer].done:
-                    raise ScheduleError(f"{st.where()} waits for a slice from rank {peer}, "
-                                        f"which finished its schedule without sending it")
+                    self._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} waits for a "
+                                       f"slice from rank {peer}, which finished its schedule without "
+                                       f"sending it"))
                 waits[me] = (peer, f"waits for a slice from rank {peer} (FIFO {peer}->{me} is empty)")
             else:
                 peer = step.dst[st.acquired]
@@ -91,9 +99,12 @@ class TracingSim(_Sim):
         cycle, past = best
         trace = [f"{i + 1:3d}. {self.events[e][0]}" for i, e in enumerate(sorted(past))]
         trace += [f"  => {self.ranks[r].where()}: {waits[r][1]}" for r in cycle]
-        head = (f"deadlock with nslots={self.nslots}, slices={self.slices}: ranks {cycle} wait for "
+        head = (f"deadlock with {fifo(self.nslots, self.slices)}: ranks {cycle} wait for "
                 f"each other; the shortest run into it has {len(past)} events:\n  ")
-        raise DeadlockError(head + "\n  ".join(trace), trace, cycle)
+        first = self.ranks[cycle[0]]
+        failure = Failure(DEADLOCK, cycle[0], first.index, first.sched.steps[first.index].chunk,
+                          head + "\n  ".join(trace))
+        raise DeadlockError(failure, trace, cycle, self.faults)
 
     def _past(self, cycle) -> set[int]:
         todo = [self.last[r] for r in cycle if r in self.last]

@@ -1,33 +1,60 @@
 """verify(): everything that can be proved about a collective's schedules without running them.
 
-1. The postcondition: every rank ends with exactly the contributions the collective promises
-   (simulate.check with FIFOs too large to matter, several rounds, several slices a step).
+1. The postcondition: every rank ends with exactly the contributions the collective promises,
+   in every buffer form the API allows (out of place, and in place with input and output in one
+   memory: a step that reads input already overwritten as output is refused), checked by
+   simulate.check with FIFOs too large to matter, several rounds, several slices a step. What is
+   wrong comes as ``Report.failures``: faults.Failure records with a kind (faults.KINDS), the
+   rank, step and chunk, and a sentence. A schedule that deadlocks even with unbounded FIFOs
+   fails here with the shortest trace.
 2. The reduction order of every output element: which chunk of which round the executor puts
-   it in (the same cut as step.chunk_span, which the executor uses for a given count, item size and FIFO), and the
-   order that chunk's contributions were combined in; whether all ranks hold the same order
-   (MPI's rule that all ranks get identical results), exactly or up to swapping the two
-   operands of one operation (a + b == b + a bit for bit in IEEE arithmetic, so results
-   still agree); and a determinism certificate: whether an element's order can change with
-   the message size or the FIFO's slot size (it can iff two chunks are reduced in different
-   orders, since those move which chunk an element falls in), with a concrete witness.
-3. Deadlock with finite slots: for each FIFO shape the executor can use (nslots, and the
-   slices a full chunk takes, nslots // 2, or 1 for a small message), with the shortest
-   counterexample (schedule/trace.py).
+   it in (the same cut as step.chunk_span, which the executor uses for a given count, item size
+   and FIFO), and the order that chunk's contributions were combined in; whether all ranks hold
+   the same order (MPI's rule that all ranks get identical results), exactly or up to swapping
+   the two operands of one operation (a + b == b + a bit for bit in IEEE arithmetic, so results
+   still agree), naming the ranks that disagree; and a determinism certificate: whether an
+   element's order can change with the message size or the FIFO's slot size (it can iff two
+   chunks are reduced in different orders, since those move which chunk an element falls in),
+   with a concrete witness.
+3. Deadlock with finite slots, for each FIFO shape (nslots, slices a step moves) of
+   fifo_shapes(nslots), with the shortest counterexample (schedule/trace.py). Every shape is
+   checked whenever the schedules are well formed and matched, whatever the postcondition says;
+   a shape that could not be checked says "not checked: why", never "no deadlock".
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
-from .simulate import ScheduleError, Sym, _check_pairing, _expected, _validate, check
+from .faults import DEADLOCK, Failure, ScheduleError
+from .simulate import UNBOUNDED, Sym, _check_pairing, _validate, check
+from .spec import SPECS, spec
 from .step import OWN, SPLIT, Schedule, chunk_span
 from .trace import DeadlockError, TracingSim
 
-REDUCING = ("all_reduce", "reduce_scatter", "reduce")
-BIG = 1 << 30                                 # slots: a FIFO that never fills
-# (nslots, slices a step moves) the executor can meet: full chunks (nslots // 2 slices) and a
-# small message (1 slice). Not nslots = 1: a step holds its incoming slot until it has an
-# outgoing one, so with one slot every ring deadlocks; init() refuses RINGCOMM_NSLOTS < 2.
-FIFOS = ((2, 1), (4, 2), (8, 4), (8, 1))
+REDUCING = tuple(c for c, sp in SPECS.items() if sp.reduces)  # orders are reported for these
+BIG = UNBOUNDED                               # slots: a FIFO that never fills
+NOT_CHECKED = "not checked"
+
+
+def fifo_shapes(nslots: int = 8) -> tuple[tuple[int, int], ...]:
+    """The (nslots, slices a step moves) the executor meets with RINGCOMM_NSLOTS=nslots: a step
+    moves between 1 slice (a small message) and nslots // 2 (a full chunk; executor.py), so all
+    of those; and 2 slots with 1 slice, the smallest setting init() accepts (with 1 slot every
+    ring deadlocks: a step holds its incoming slot until it has an outgoing one).
+
+    Each shape has every step move the same number of slices. A round whose chunks move fewer
+    (SPLIT chunks differ by one element, the last round is shorter, an empty chunk moves none)
+    is covered by the shape of its largest: dropping matched slices from a run that finishes
+    leaves a run that finishes, since every wait left is for a slice posted, or a slot freed,
+    no later than before."""
+    if not isinstance(nslots, int) or nslots < 2:
+        raise ValueError(f"nslots must be an int >= 2 (as RINGCOMM_NSLOTS), got {nslots!r}")
+    shapes = [(2, 1)] + [(nslots, s) for s in range(1, nslots // 2 + 1)]
+    return tuple(dict.fromkeys(shapes))
+
+
+FIFOS = fifo_shapes(8)  # the default: (2, 1), (8, 1), (8, 2), (8, 3), (8, 4)
 
 
 @dataclass
@@ -37,29 +64,51 @@ class Report:
     world_size: int
     count: int
     root: int | None
-    postcondition: str | None = None           # None: holds; else what is wrong
-    orders: list = field(default_factory=list)  # [(start, stop, order)] of the checked rank's output
-    rank_identical: bool = True                # every rank combined every element in the same order
-    identical_up_to_commutation: bool = True   # ... or differ only by swapping operands of one op
-    rank_note: str = ""
-    size_independent: bool = True             # the determinism certificate
+    # faults.Failure, the first found first: the postcondition's (fifo None), then one DEADLOCK
+    # for each FIFO shape that deadlocks only at that size (fifo = the shape)
+    failures: list = field(default_factory=list)
+    orders: list = field(default_factory=list)    # [(start, stop, order)] of the checked rank's output
+    rank_identical: bool = True                  # every rank combined every element in the same order
+    identical_up_to_commutation: bool = True     # ... or differ only by swapping operands of one op
+    rank_note: str = ""                          # where ranks differ: which ranks hold which order
+    size_independent: bool = True                # the determinism certificate
     witness: str = ""
-    deadlocks: dict = field(default_factory=dict)  # (nslots, slices) -> None or the counterexample
+    # (nslots, slices) -> None (checked: no deadlock), the shortest trace, or "not checked: why"
+    deadlocks: dict = field(default_factory=dict)
 
     @property
-    def deadlock_free(self) -> bool:
-        return not any(self.deadlocks.values())
+    def postcondition(self) -> str | None:
+        """None where the postcondition holds, else what is wrong, one failure a line."""
+        found = [f for f in self.failures if f.fifo is None]
+        return "\n".join(str(f) for f in found) if found else None
+
+    @property
+    def kinds(self) -> set[str]:
+        return {f.kind for f in self.failures}
+
+    @property
+    def deadlock_free(self) -> bool | None:
+        """True: no deadlock at any shape, every shape checked. False: a deadlock somewhere
+        (or even with unbounded FIFOs). None: nothing found, but some shape was not checked."""
+        found = [d for d in self.deadlocks.values() if d and not d.startswith(NOT_CHECKED)]
+        if DEADLOCK in self.kinds or found:
+            return False
+        if not self.deadlocks or any(d for d in self.deadlocks.values()):
+            return None
+        return True
 
     @property
     def ok(self) -> bool:
-        """Correct and deadlock-free at every FIFO shape tried (orders are reported, not judged)."""
-        return self.postcondition is None and self.deadlock_free
+        """Correct in every form and deadlock-free at every FIFO shape (orders are reported, not judged)."""
+        return not self.failures and self.deadlock_free is True
 
     def summary(self) -> str:
         head = (f"{self.collective}/{self.algo} on {self.world_size} ranks, count {self.count}"
                 + (f", root {self.root}" if self.root is not None else ""))
-        lines = [head, f"  postcondition: {'holds' if self.postcondition is None else self.postcondition}"]
-        if self.collective in REDUCING and self.postcondition is None:
+        found = [f for f in self.failures if f.fifo is None]
+        lines = [head, "  postcondition: " + (f"FAILS ({len(found)} failure(s))" if found else "holds")]
+        lines += [f"    {str(f).splitlines()[0]}" for f in found[:6]]
+        if self.collective in REDUCING and not found:
             shown = self.orders[:4]
             lines += [f"  elements [{a}, {b}): {o}" for a, b, o in shown]
             if len(self.orders) > len(shown):
@@ -78,31 +127,62 @@ class Report:
 
 def verify_schedules(collective: str, scheds: list[Schedule], count: int, *, root=None, algo="?",
                      itemsize: int = 4, buffsize: int = 4 << 20, nslots: int = 8,
-                     fifos=FIFOS) -> Report:
+                     fifos=None) -> Report:
+    """Verify one rank's Schedule per rank (index = rank). ``nslots`` is RINGCOMM_NSLOTS: it sets
+    the executor's cut of ``count`` elements (for the orders) and the FIFO shapes checked
+    (fifo_shapes(nslots), unless ``fifos`` lists other (nslots, slices) pairs)."""
     if not isinstance(count, int) or count < 0:
         raise ValueError(f"count must be an int >= 0, got {count!r}")
+    shapes = fifo_shapes(nslots) if fifos is None else tuple(fifos)
+    if spec(collective).rooted and root is None:
+        root = 0
     rep = Report(collective, algo, len(scheds), count, root)
     try:
         _validate(scheds)
         _check_pairing(scheds)
+    except ScheduleError as e:  # nothing can run: every shape is unknown
+        rep.failures = e.failures
+        rep.deadlocks = {shape: f"{NOT_CHECKED}: the schedules are not a runnable set "
+                                f"({e.failures[0].kind})" for shape in shapes}
+        return rep
+    try:
         check(collective, scheds, root=root, nslots=BIG, slices=3, rounds=3)
     except ScheduleError as e:
-        rep.postcondition = str(e)
-    for shape in fifos:
-        rep.deadlocks[shape] = deadlock(scheds, *shape) if rep.postcondition is None else None
-    if rep.postcondition is None and collective in REDUCING:
+        rep.failures = [_with_trace(f, scheds) for f in e.failures]
+    everywhere = DEADLOCK in rep.kinds  # stuck even unbounded: already reported, once
+    for shape in shapes:
+        rep.deadlocks[shape], f = _deadlock(scheds, *shape)
+        if f is not None and not everywhere:
+            rep.failures.append(dataclasses.replace(f, fifo=shape))
+    if not rep.postcondition and collective in REDUCING:
         _orders(rep, scheds, root, itemsize, buffsize, nslots)
     return rep
 
 
+def _with_trace(f: Failure, scheds) -> Failure:
+    """A deadlock even with unbounded FIFOs: at every size. Give it the shortest trace."""
+    if f.kind != DEADLOCK:
+        return f
+    trace = deadlock(scheds, BIG, 1) or f.detail
+    return Failure(DEADLOCK, f.rank, f.step, f.chunk,
+                   "deadlocks at every FIFO size, even unbounded: " + trace, f.form)
+
+
 def deadlock(scheds: list[Schedule], nslots: int, slices: int) -> str | None:
-    """None, or the shortest run into a deadlock with this FIFO shape, as text."""
+    """None, or the shortest run into a deadlock with this FIFO shape, as text; "not checked:
+    why" where the run stops on something else first (a message no one receives)."""
+    return _deadlock(scheds, nslots, slices)[0]
+
+
+def _deadlock(scheds, nslots, slices) -> tuple[str | None, Failure | None]:
     sim = TracingSim(scheds, nslots, slices, 2)
     try:
         sim.run()
     except DeadlockError as e:
-        return str(e)
-    return None
+        return str(e), e.failures[-1]
+    except ScheduleError as e:
+        return f"{NOT_CHECKED}: the run stopped first on {e.failures[-1]}", None
+    return None, None
 
 
 def canonical(order) -> str:
@@ -127,7 +207,7 @@ def _cells(collective, scheds, root):
     n, nchunks = len(scheds), scheds[0].nchunks
     cells = {}
     for r in range(n):
-        for c, _ in _expected(collective, n, nchunks, r, root):
+        for c, _ in spec(collective).expected(n, nchunks, r, root):
             vals = {sim.values[0, r, c, s] for s in range(2)}
             if len(vals) != 1:  # every slice of a chunk must be combined alike
                 raise ScheduleError(f"rank {r} chunk {c}: slices combined differently: {vals}")
@@ -147,8 +227,8 @@ def _orders(rep, scheds, root, itemsize, buffsize, nslots):
             loose = {commuted(cells[r, c].order) for r in range(n)}
             if len(exact) > 1 and rep.rank_identical:
                 rep.rank_identical = False
-                rep.rank_note = f"chunk {c}: " + "; ".join(
-                    f"rank {r}: {canonical(cells[r, c].order)}" for r in range(min(n, 3)))
+                rep.rank_note = f"chunk {c}: " + _disagreement({r: canonical(cells[r, c].order)
+                                                                 for r in range(n)})
             rep.identical_up_to_commutation &= len(loose) == 1
     distinct = {}
     for (r, c), v in sorted(cells.items()):
@@ -203,3 +283,24 @@ def _witness(mine, s, itemsize, buffsize, nslots) -> str:
             return (f"element {e} is in chunk {c1} with count {n1}, combined as {o1}, but in chunk "
                     f"{c2} with count {n2}, combined as {o2}")
     return "two chunks are combined in different orders"
+
+
+def _disagreement(orders: dict[int, str], shown: int = 4) -> str:
+    """Which ranks hold which order, every rank named: "ranks 0-2, 4: A; rank 3: B"."""
+    groups: dict[str, list[int]] = {}
+    for r, o in sorted(orders.items()):
+        groups.setdefault(o, []).append(r)
+    parts = [f"{_ranks(rs)}: {o}" for o, rs in groups.items()]
+    if len(parts) > shown + 1:
+        rest = sorted(r for rs in list(groups.values())[shown:] for r in rs)
+        parts = parts[:shown] + [f"{_ranks(rest)}: {len(parts) - shown} other orders"]
+    return "; ".join(parts)
+
+
+def _ranks(rs: list[int]) -> str:
+    runs, start = [], rs[0]
+    for a, b in zip(rs, rs[1:] + [None]):
+        if b != a + 1:
+            runs.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ("rank " if len(rs) == 1 else "ranks ") + ", ".join(runs)

@@ -1,0 +1,178 @@
+"""What each collective promises, as one table entry: the contributions every rank's output
+must hold, and the buffer forms the API lets a caller use (out of place, in place).
+
+Names: rank r's input chunk c is the contribution ``(r, c)``; under the OWN input layout it is
+``(r, r)`` (every chunk index reads the same memory, the rank's own block). Under the OWN output
+layout a rank has one output cell, kept at index ``r % nchunks``.
+
+In place, a rank's input and output are one memory, and which input chunk an output cell
+overwrites follows from the two layouts alone (``aliases``): the same chunk where both layouts
+cut the same buffer (all_reduce's and reduce's ``out is buf``, broadcast); block ``r`` of the
+BLOCK side where the other side is OWN (all_gather's ``buf`` is ``out``'s block r,
+reduce_scatter's ``out`` is ``buf``'s block r; gather and scatter at the root likewise).
+
+Adding a collective is one SPECS entry: its expected outputs, whether it reduces, whether it
+has a root, and its forms; the simulator and the verifier read nothing else (in-place aliasing
+comes from the layouts). For example, with rank q's input block c named (q, c):
+
+    "all_to_all": Spec(lambda n, k, r, root: [(c, ((c, r),)) for c in range(k)]),      # BLOCK/BLOCK
+    "gather":  Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)] if r == root else [],
+                    rooted=True),                                                       # OWN/BLOCK
+    "scatter": Spec(lambda n, k, r, root: [(r % k, ((root, r),))], rooted=True),        # BLOCK/OWN
+
+and ``forms=(OUT_OF_PLACE,)`` for one whose API has no in-place form.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from .faults import CLOBBER, MISPLACED, MISSING, POST_OP, TWICE, Failure
+from .step import BLOCK, OWN, SPLIT, Schedule
+from .values import Result, Sym
+
+OUT_OF_PLACE, IN_PLACE = "out of place", "in place"
+
+
+@dataclass(frozen=True)
+class Spec:
+    # expected(n, nchunks, rank, root) -> [(output cell, contributions it must hold, sorted)]
+    expected: Callable[[int, int, int, int | None], list]
+    reduces: bool = False           # outputs are reductions: each needs a final (post-op) step
+    rooted: bool = False
+    forms: tuple[str, ...] = (OUT_OF_PLACE, IN_PLACE)
+
+
+def _full(n: int, c: int) -> tuple:
+    return tuple((q, c) for q in range(n))
+
+
+SPECS: dict[str, Spec] = {
+    "all_reduce": Spec(lambda n, k, r, root: [(c, _full(n, c)) for c in range(k)], reduces=True),
+    "reduce_scatter": Spec(lambda n, k, r, root: [(r % k, _full(n, r))], reduces=True),
+    "reduce": Spec(lambda n, k, r, root: [(c, _full(n, c)) for c in range(k)] if r == root else [],
+                   reduces=True, rooted=True),
+    "all_gather": Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)]),
+    # broadcast has only one buffer: the root's input is its output
+    "broadcast": Spec(lambda n, k, r, root: [(c, ((root, c),)) for c in range(k)], rooted=True,
+                      forms=(IN_PLACE,)),
+    # no data: every rank must hear (even indirectly) from every other (simulate.check)
+    "barrier": Spec(lambda n, k, r, root: [], forms=()),
+}
+
+
+def spec(collective: str) -> Spec:
+    s = SPECS.get(collective)
+    if s is None:
+        raise ValueError(f"check() knows {tuple(SPECS)}, not {collective!r}")
+    return s
+
+
+def input_name(s: Schedule, chunk: int) -> int:
+    """The chunk index in the name of the input a step of chunk ``chunk`` reads."""
+    return s.rank if s.in_layout == OWN else chunk
+
+
+def output_cell(s: Schedule, chunk: int) -> int:
+    """The output cell a copying step of chunk ``chunk`` writes."""
+    return s.rank % s.nchunks if s.out_layout == OWN else chunk
+
+
+def aliases(s: Schedule) -> dict[int, int]:
+    """In place: {output cell: the input chunk name stored in the same memory}."""
+    i, o, r, k = s.in_layout, s.out_layout, s.rank, s.nchunks
+    if i == o and i in (SPLIT, BLOCK):
+        return {c: c for c in range(k)}
+    if (i, o) == (OWN, BLOCK):
+        return {r: r} if r < k else {}
+    if o == OWN and i in (BLOCK, OWN):
+        return {r % k: r}
+    return {}
+
+
+def postcondition(collective, res: Result, schedules, root) -> list[Failure]:
+    """The failures of the first round that has any: final steps, then every rank's outputs in
+    every form; a fault that shows in more than one form is reported once, with form None."""
+    sp, n = spec(collective), len(schedules)
+    for rd in range(len(res.round_outputs)):
+        if collective == "barrier":
+            found = _barrier(res, rd, n)
+        else:
+            found = _finals(res, rd, n) if sp.reduces else []
+            for form in sp.forms:
+                found += _outputs(collective, res, rd, schedules, root, form)
+        unique: dict = {}
+        for f in found:
+            key = (f.kind, f.rank, f.chunk)
+            unique[key] = replace(unique[key], form=None) if key in unique else f
+        if unique:
+            return list(unique.values())
+    return []
+
+
+def _barrier(res, rd, n) -> list[Failure]:
+    out = []
+    for r, known in enumerate(res.knowledge[rd]):
+        if known != frozenset(range(n)):
+            missing = sorted(set(range(n)) - known)
+            out.append(Failure(MISSING, r, None, None, f"barrier round {rd}: rank {r} finished without "
+                                                       f"hearing (even indirectly) from rank(s) {missing}"))
+    return out
+
+
+def _finals(res, rd, n) -> list[Failure]:
+    out = []
+    for frd, r, i, step, v in res.finals:
+        if frd == rd and v.ranks != frozenset(range(n)):
+            out.append(Failure(MISSING, r, i, step.chunk, f"round {rd} rank {r} step {i} {step} is final "
+                               f"(AVG divides there) but holds only {v}: missing rank(s) "
+                               f"{sorted(set(range(n)) - v.ranks)}"))
+    return out
+
+
+def _outputs(collective, res, rd, schedules, root, form) -> list[Failure]:
+    """Every rank's outputs in one form. In place an output cell never written still holds the
+    input that shares its memory, and a write to a cell the collective leaves alone is a fault."""
+    sp, n = spec(collective), len(schedules)
+    out = []
+    for r, s in enumerate(schedules):
+        cells = res.round_outputs[rd][r]
+        alias = aliases(s) if form == IN_PLACE else {}
+        expected = dict(sp.expected(n, s.nchunks, r, root))
+        for c, name in alias.items():
+            v = cells[c]
+            if c not in expected and v is not None and v != Sym.leaf(r, name):
+                step = res.writers.get((rd, r, c))
+                out.append(Failure(CLOBBER, r, step, c, f"{collective} round {rd}: rank {r} step {step} "
+                                   f"writes {v} over its input x{r}[{name}], which {collective} leaves "
+                                   f"alone on rank {r}", form))
+        for c, terms in expected.items():
+            v = cells[c]
+            if v is None and c in alias:
+                v = Sym.leaf(r, alias[c])
+            out += _cell(collective, rd, r, c, v, terms, sp.reduces and n > 1, res.writers.get((rd, r, c)),
+                         form if len(sp.forms) > 1 else None)
+    return out
+
+
+def _cell(collective, rd, r, c, v, terms, needs_post, step, form) -> list[Failure]:
+    """What is wrong with one output cell: the most telling kind first."""
+    head = f"{collective} round {rd}: rank {r} output chunk {c}"
+    if v is None:
+        return [Failure(MISSING, r, None, c, f"{head} is None (never written), expected contributions "
+                                             f"{list(terms)}", form)]
+    if v.terms != terms:
+        have, want = Counter(v.terms), Counter(terms)
+        twice = sorted(t for t, k in have.items() if k > 1)
+        wrong = sorted(set(have) - set(want))
+        missing = sorted(set(want) - set(have))
+        kind = TWICE if twice else MISPLACED if wrong else MISSING
+        why = (f"{twice} more than once" if twice else f"{wrong} that belong elsewhere" if wrong
+               else f"none of {missing}")
+        return [Failure(kind, r, step, c, f"{head} is {v}, expected contributions {list(terms)}: it "
+                                          f"holds {why}", form)]
+    if needs_post and not v.post:
+        return [Failure(POST_OP, r, step, c, f"{head} = {v} never went through a final (reduce + copy) "
+                                             f"step, so AVG would not divide", form)]
+    return []
