@@ -31,6 +31,9 @@ for _coll, _make in (("all_reduce", onecopy.read_all_reduce), ("reduce_scatter",
                      ("all_gather", onecopy.read_all_gather), ("broadcast", onecopy.read_broadcast),
                      ("reduce", onecopy.read_reduce)):
     ALGOS[_coll][onecopy.ALGO] = _make
+# Algorithms that run only on registered buffers (their steps read peers' memory, not FIFOs):
+# tools that execute or mutate FIFO steps leave them out.
+REGISTERED_ONLY = frozenset({onecopy.ALGO})
 
 
 def check_collective(collective: str) -> None:
