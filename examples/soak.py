@@ -20,7 +20,10 @@ from ringcomm.kernels.host import reference_reduce
 
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.int8, np.uint8,
           np.int32, np.uint32, np.int64, np.uint64]
-COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce"]
+COLLECTIVES = ["all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "all_to_all", "gather",
+               "scatter"]
+BLOCKS = {"all_to_all": [None, "pairwise", "bruck"], "gather": [None, "linear", "binomial"],
+          "scatter": [None, "linear", "binomial"]}
 TREES = {"all_reduce", "broadcast", "reduce"}
 
 
@@ -56,11 +59,34 @@ def wrong(got, want, op):
     return int((got != want).sum())
 
 
+def blocks(comm, i, rnd, coll, dtype, count):
+    """all_to_all (half the time with random packed counts, zeros among them), gather, scatter."""
+    n, r = comm.world_size, comm.rank
+    algo, root, packed = rnd.choice(BLOCKS[coll]), rnd.randrange(n), rnd.random() < 0.5
+    if coll == "all_to_all":
+        c = [[rnd.randrange(0, 2 * count + 1) if packed else count for _ in range(n)] for _ in range(n)]
+        ins = [make_input(i, k, sum(c[k]), dtype, "sum") for k in range(n)]
+        want = np.concatenate([ins[k][sum(c[k][:r]):sum(c[k][:r + 1])] for k in range(n)])
+        kw = dict(send_counts=c[r], recv_counts=[row[r] for row in c]) if packed else {}
+        got = comm.all_to_all(ins[r], np.empty_like(want), algo="pairwise" if packed else algo, **kw)
+        return wrong(got, want, "sum")
+    if coll == "gather":
+        ins = [make_input(i, k, count, dtype, "sum") for k in range(n)]
+        out = np.empty(n * count, ins[r].dtype) if r == root else None
+        got = comm.gather(ins[r], out, root, algo=algo)
+        return wrong(got, np.concatenate(ins), "sum") if r == root else 0
+    src = make_input(i, root, n * count, dtype, "sum")
+    got = comm.scatter(src if r == root else None, np.empty(count, src.dtype), root, algo=algo)
+    return wrong(got, src[r * count:(r + 1) * count], "sum")
+
+
 def one(comm, i, rnd):
     n, r = comm.world_size, comm.rank
     coll = rnd.choice(COLLECTIVES)
     dtype, op = rnd.choice(DTYPES), rnd.choice(["sum", "prod", "min", "max", "avg"])
     count = rnd.choice([0, 1, 7, rnd.randrange(1, 5000), rnd.randrange(1, 200_000)])
+    if coll in BLOCKS:
+        return blocks(comm, i, rnd, coll, dtype, count)
     algo = rnd.choice([None, "ring", "tree"] if coll in TREES else [None, "ring"])
     root, inplace = rnd.randrange(n), rnd.random() < 0.5
     size = count * n if coll == "reduce_scatter" else count

@@ -23,7 +23,8 @@ Per dtype (every rule is host.py's; its docstring says why each one is NCCL's):
 
 One kernel body serves every (op, dtype); the op and the dtype's kind are closure constants, so numba
 folds the other branches away and each compiled kernel is straight-line code inside a grid-stride loop.
-Kernels compile on first use (about 0.3 s each) and stay cached per (op, dtype) in this process.
+Kernels compile on first use (about 0.3 s each), or ahead of it for explicit argument types with
+prepare(op, dtype) (the device path does so before a call's first slice), and stay cached in this process.
 
 Why no device functions: numba compiles a called @cuda.jit(device=True) function for the *current*
 device, so compile_ptx (used by the tests to build every kernel for sm_90 on machines without a GPU)
@@ -111,62 +112,75 @@ def _make_kernel(OP: int, KIND: int):
     """The Python kernel for one (opcode, kind): out[i] = a[i] OP b[i], or a[i] / d for DIV.
 
     Every element is read before it is written by the same thread, so out may alias a or b."""
+    PER = per_thread(KIND)
+
     def kernel(out, a, b, d):
-        i = cuda.grid(1)
+        # PER elements a trip, PER grid-widths apart: every load stays coalesced, and each thread has
+        # PER independent loads in flight (16-bit types: 2, so a thread moves 4 bytes a trip).
+        i0 = cuda.grid(1)
         stride = cuda.gridsize(1)
-        while i < out.size:
-            if KIND == INT or KIND == UINT or KIND == FLOAT:
-                x = a[i]
-                y = b[i]
-                if OP == SUM:
-                    out[i] = x + y                  # integers: widened, then truncated on store = wrap
-                elif OP == PROD:
-                    out[i] = x * y
-                elif OP == MIN:
-                    out[i] = x if x < y or y != y else y    # y != y: NaN loses (integers: never)
-                elif OP == MAX:
-                    out[i] = x if x > y or y != y else y
-                elif KIND == FLOAT:
-                    out[i] = x / d
-                elif KIND == UINT:
-                    out[i] = np.uint64(x) // d
-                else:                               # widen first, so INT_MIN's magnitude is exact
-                    w = np.int64(x)
-                    if w < 0:
-                        out[i] = -np.int64(np.uint64(-w) // d)
-                    else:
-                        out[i] = np.int64(np.uint64(w) // d)
-            else:
-                ha = a[i]
-                hb = b[i]
-                if KIND == F16:
-                    x = np.float32(ha)
-                    y = np.float32(hb)
-                else:                               # bfloat16 is the top half of a float32
-                    x = _u2f(np.uint32(ha) << 16)
-                    y = _u2f(np.uint32(hb) << 16)
-                if OP == MIN:
-                    out[i] = ha if x < y or y != y else hb  # pick the bits: no rounding, NaN payloads kept
-                elif OP == MAX:
-                    out[i] = ha if x > y or y != y else hb
-                else:
+        while i0 < out.size:
+            for u in range(PER):
+                i = i0 + u * stride
+                if i >= out.size:
+                    break
+                if KIND == INT or KIND == UINT or KIND == FLOAT:
+                    x = a[i]
+                    y = b[i]
                     if OP == SUM:
-                        r = x + y
+                        out[i] = x + y                  # integers: widened, then truncated on store = wrap
                     elif OP == PROD:
-                        r = x * y
-                    else:
-                        r = x / d
+                        out[i] = x * y
+                    elif OP == MIN:
+                        out[i] = x if x < y or y != y else y    # y != y: NaN loses (integers: never)
+                    elif OP == MAX:
+                        out[i] = x if x > y or y != y else y
+                    elif KIND == FLOAT:
+                        out[i] = x / d
+                    elif KIND == UINT:
+                        out[i] = np.uint64(x) // d
+                    else:                               # widen first, so INT_MIN's magnitude is exact
+                        w = np.int64(x)
+                        if w < 0:
+                            out[i] = -np.int64(np.uint64(-w) // d)
+                        else:
+                            out[i] = np.int64(np.uint64(w) // d)
+                else:
+                    ha = a[i]
+                    hb = b[i]
                     if KIND == F16:
-                        out[i] = np.float16(r)
+                        x = np.float32(ha)
+                        y = np.float32(hb)
+                    else:                               # bfloat16 is the top half of a float32
+                        x = _u2f(np.uint32(ha) << 16)
+                        y = _u2f(np.uint32(hb) << 16)
+                    if OP == MIN:
+                        out[i] = ha if x < y or y != y else hb  # pick the bits: no rounding, NaN payloads kept
+                    elif OP == MAX:
+                        out[i] = ha if x > y or y != y else hb
                     else:
-                        u = _f2u(r)
-                        if r != r:                  # a quiet NaN with its sign, as ml_dtypes makes
-                            out[i] = ((u >> 16) & 0x8000) | 0x7FC0
-                        else:                       # just under half an ulp, plus 1 if the kept lsb is
-                            out[i] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16   # odd: ties to even
-            i += stride
+                        if OP == SUM:
+                            r = x + y
+                        elif OP == PROD:
+                            r = x * y
+                        else:
+                            r = x / d
+                        if KIND == F16:
+                            out[i] = np.float16(r)
+                        else:
+                            u = _f2u(r)
+                            if r != r:                  # a quiet NaN with its sign, as ml_dtypes makes
+                                out[i] = ((u >> 16) & 0x8000) | 0x7FC0
+                            else:                       # just under half an ulp, plus 1 if the kept lsb is
+                                out[i] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16   # odd: ties to even
+            i0 += stride * PER
     kernel.__name__ = kernel.__qualname__ = f"ringcomm_{_OPNAME[OP]}_{_KINDNAME[KIND]}"
     return kernel
+
+
+def per_thread(kind: int) -> int:
+    """Elements a thread handles per trip of the grid-stride loop: 2 for the 16-bit types."""
+    return 2 if kind in (F16, BF16) else 1
 
 
 _OPNAME = ("sum", "prod", "min", "max", "div")
@@ -211,16 +225,37 @@ def _kernel(op_code: int, kind: int):
     return k
 
 
+def prepare(op, dt) -> None:
+    """Compile now, for their explicit argument types, the kernels a call of (op, dt) launches: a device
+    call compiles before its first slice, not in the middle of its pipeline (about 0.3 s a kernel).
+    The simulator compiles nothing."""
+    dt = np.dtype(dt)
+    kind = _kind_of(dt, op)
+    key = (op, dt)
+    if SIMULATOR or key in _prepared:
+        return
+    for code in entry_kernels("reduce", op, dt) + entry_kernels("postprocess", op, dt):
+        _kernel(code, kind).compile(kernel_source(code, dt)[1])
+    _prepared.add(key)
+
+
+_prepared: set = set()
+
+
 # --- launching ------------------------------------------------------------------------------------------
 THREADS = 32 if SIMULATOR else 256      # the simulator runs one Python thread per CUDA thread
 BLOCKS_PER_SM = 8                       # 2048 resident threads per SM / 256: one full wave
 _streams: dict = {}
+_sms: int | None = None
 
 
 def launch_config(n: int) -> tuple[int, int]:
     """(blocks, threads) for n elements: enough blocks to fill every SM once, no more than n needs;
     the grid-stride loop covers the rest, so a launch costs the same whatever the slice size."""
-    sms = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 2)    # the simulator has none
+    global _sms
+    if _sms is None:                    # asked once: the device query costs more than the launch
+        _sms = getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 2)    # the simulator has none
+    sms = _sms
     return max(1, min(-(-n // THREADS), sms * BLOCKS_PER_SM)), THREADS
 
 
@@ -276,7 +311,7 @@ def _launch(code, kind, out, a, b, d, stream):
         return
     if kind == BF16:
         out, a, b = out.view(np.uint16), a.view(np.uint16), b.view(np.uint16)
-    blocks, threads = launch_config(n)
+    blocks, threads = launch_config(-(-n // per_thread(kind)))
     _kernel(code, kind)[blocks, threads, as_stream(stream)](out, a, b, d)
 
 

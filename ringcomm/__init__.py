@@ -11,8 +11,9 @@ from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, Ringcom
                      StoreTimeout)
 from .init import init
 from .ops import AVG, MAX, MIN, PROD, SUM, ReduceOp
+from .work import Work
 
 __version__ = "0.1.0"
 __all__ = ["init", "Communicator", "ReduceOp", "SUM", "PROD", "MIN", "MAX", "AVG", "RingcommError",
            "CollectiveTimeout", "PeerFailure", "CommunicatorClosed", "StoreError", "StoreTimeout",
-           "register_algorithm", "unregister_algorithm", "verify", "cost", "cost_breakdown", "fit"]
+           "register_algorithm", "unregister_algorithm", "verify", "cost", "cost_breakdown", "fit", "Work"]

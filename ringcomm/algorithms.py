@@ -111,8 +111,9 @@ def verify(collective: str, algo, world_size: int, count: int, *, root: int | No
       A shape that could not be checked (the schedules do not match up) says "not checked".
 
     ``count`` is the call's element count: the buffer of all_reduce, broadcast and reduce, each
-    rank's input of all_gather, each rank's output of reduce_scatter. A builder that raises or
-    returns something other than a Schedule is reported as a failure, not raised."""
+    rank's input of all_gather and gather, each rank's output of reduce_scatter and scatter, a block
+    of all_to_all. A builder that raises or returns something other than a Schedule is reported as
+    a failure, not raised."""
     _check_collective(collective)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")

@@ -19,17 +19,38 @@ from .watchdog import Watchdog
 
 DEFAULT_BUFFSIZE = 4 * 1024 * 1024  # bytes of FIFO per connection, like NCCL_BUFFSIZE
 DEFAULT_NSLOTS = 8                  # like NCCL_STEPS
+DEFAULT_SLICE = 64 * 1024           # the native engine's slice: see README, "Engines"
+ENGINES = ("native", "python")
+# A rank with a core of its own keeps it while it waits: handing it to a busy process costs a
+# scheduler slice (measured: 8-byte all_reduce 18 -> 78 us with two nice-10 hogs). It polls,
+# PAUSE between polls, in the native loop in rounds of 200 us with one sched_yield between them
+# (a peer that the scheduler put on this same core must still get to run), NATIVE_SPIN_S in all;
+# then in Python for SPINS_ALONE polls (~0.5 ms); only then does it yield and sleep
+# (transport.base.Backoff). Measured under load: yielding every 50 us handed the core to the
+# hogs (8-byte all_reduce ~1 ms in some runs); 1 ms rounds cost ranks that the scheduler
+# stacked on one core ~1 ms per hand-off (64 KiB all_reduce 1.4 ms); 200 us rounds: 5.3 us.
+NATIVE_SPIN_S = 2e-3
+SPINS_ALONE = 2000
 
 
 def spins(world_size: int) -> int:
     """RINGCOMM_SPINS, else 0 when this host's ranks outnumber its usable cores (a spinning
     rank then holds the core the rank it waits for needs: measured on 4 ranks on 2 cores,
-    8-byte all_reduce 179 -> 124 us), else 200 (a hand-off in well under a microsecond)."""
+    8-byte all_reduce 179 -> 124 us), else SPINS_ALONE (see above)."""
     raw = os.environ.get("RINGCOMM_SPINS")
     if raw:
-        return int(env_number("RINGCOMM_SPINS", 200, int))
+        return int(env_number("RINGCOMM_SPINS", SPINS_ALONE, int))
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    return 0 if local > len(os.sched_getaffinity(0)) else 200
+    return 0 if local > len(os.sched_getaffinity(0)) else SPINS_ALONE
+
+
+def engine() -> str:
+    """RINGCOMM_ENGINE: "native" (the default) runs calls whose links are all shm in compiled
+    code; "python" runs everything in the reference engine."""
+    name = os.environ.get("RINGCOMM_ENGINE", "").strip().lower() or "native"
+    if name not in ENGINES:
+        raise ValueError(f"RINGCOMM_ENGINE={name!r}: choose one of {', '.join(ENGINES)}")
+    return name
 
 
 def assemble(cls, rank, world_size, local_rank, store, owns_store, timeout, token, deadline=None):
@@ -62,7 +83,9 @@ def assemble(cls, rank, world_size, local_rank, store, owns_store, timeout, toke
             roster.close()
             links.close()
             raise
-    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots)
+    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots, engine=engine(),
+                        slice_bytes=env_number("RINGCOMM_SLICE", DEFAULT_SLICE, int),
+                        spin_s=NATIVE_SPIN_S if ctx.spins else 0.0)
     executor.watchdog, watchdog.position = watchdog, executor.position
     return cls(rank, world_size, local_rank, store, links, executor,
                timeout=timeout, owns_store=owns_store, prefix=ctx.prefix, roster=roster)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import direct, onecopy, recursive, ring, tree
+from .schedule import alltoall, direct, onecopy, recursive, ring, rooted, tree
 from .schedule.step import Schedule
 
-COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce")
-ROOTED = ("broadcast", "reduce")
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "gather",
+               "scatter")
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 # Algorithms per collective; the first is the fallback when RINGCOMM_ALGO names
 # one that the collective does not have.
@@ -24,6 +25,9 @@ ALGOS: dict[str, dict] = {
                    "bruck": direct.bruck_all_gather},
     "broadcast": {"ring": ring.ring_broadcast, "tree": tree.tree_broadcast, "binomial": direct.binomial_broadcast},
     "reduce": {"ring": ring.ring_reduce, "tree": tree.tree_reduce, "binomial": direct.binomial_reduce},
+    "all_to_all": {"pairwise": alltoall.pairwise_all_to_all, "bruck": alltoall.bruck_all_to_all},
+    "gather": {"linear": rooted.linear_gather, "binomial": rooted.binomial_gather},
+    "scatter": {"linear": rooted.linear_scatter, "binomial": rooted.binomial_scatter},
 }
 # One-copy algorithms on registered buffers (comm.alloc); automatic choice takes them exactly when
 # buf and out come from comm.alloc (ringcomm/registered.py), and they refuse other buffers.

@@ -37,7 +37,7 @@ def fingerprint(collective, dtype, op, algo, root, count, ordinal) -> np.ndarray
 def describe(raw: bytes) -> str:
     coll, dtype, op, algo, root, count, ordinal = FINGERPRINT.unpack(raw)
     text = lambda b: b.rstrip(b"\0").decode(errors="replace")  # noqa: E731
-    args = [f"count={count}", f"dtype={text(dtype)}"]
+    args = [f"count={count}" if count >= 0 else "send_counts/recv_counts", f"dtype={text(dtype)}"]
     if text(coll) in ("all_reduce", "reduce_scatter", "reduce"):
         args.append(f"op={text(op)}")
     if root >= 0:

@@ -2,22 +2,30 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import threading
 
 import numpy as np
 
-from . import check, model, reproducible as repro
+from . import check, model, reproducible as repro, vcounts
 from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
+from .group import Group
 from .ops import SUM, as_op
-from .registered import settle
+from .registered import refuse, settle
+from .schedule.onecopy import ALGO as READ
 from .schedule import p2p
+from .progress import Progress, asyncable
 
 class Communicator:
-    """A group of ranks that run collectives together. Make one with ringcomm.init()."""
+    """A group of ranks that run collectives together. Make one with ringcomm.init().
+
+    Every public call that moves data is decorated with ``@asyncable``: it takes ``async_op=True``
+    and then returns a ringcomm.Work; all calls run in issue order (ringcomm/progress.py).
+    """
 
     def __init__(self, rank, world_size, local_rank, store, links, executor, *, timeout, owns_store, prefix,
                  roster=None):
@@ -31,8 +39,7 @@ class Communicator:
         self._ordinal = 0      # collectives only (all ranks call them), for RINGCOMM_DEBUG=check
         self._broken: str | None = None
         self._closed = False
-        self._lock = threading.Lock()  # guards _in_flight against abort() from another thread
-        self._in_flight = False
+        self._lock = threading.Lock()  # one first writer of _broken: abort() or a failing call
         # Knobs read once: a collective must not pay for os.environ lookups.
         self._forced_algo = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
         self._check = check.enabled()
@@ -40,9 +47,11 @@ class Communicator:
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
         self._registry = None  # ringcomm.registered.Registry, made by the first alloc()
         self._scratch: dict = {}  # reproducible mode's codes and limbs, kept between calls
+        self._progress = Progress(rank, self._execute_now, self.abort)  # where calls run, in order
 
     # ---- collectives -------------------------------------------------------------------------
 
+    @asyncable
     def all_reduce(self, buf, op=SUM, *, out=None, algo=None, reproducible=False):
         """Reduce ``buf`` over all ranks; the result lands in ``out`` (default: ``buf`` itself).
 
@@ -57,6 +66,7 @@ class Communicator:
         self._run("all_reduce", algo, x, y, x.size, op, None, x.nbytes)
         return buf if out is None else out
 
+    @asyncable
     def all_gather(self, buf, out, *, algo=None):
         """``out`` gets world_size blocks of buf.size elements; rank r's buf at block r."""
         x = host_array(buf, "all_gather buf", writable=False)
@@ -64,6 +74,7 @@ class Communicator:
         self._run("all_gather", algo, x, y, x.size, "sum", None, y.nbytes)
         return out
 
+    @asyncable
     def reduce_scatter(self, buf, out, op=SUM, *, algo=None, reproducible=False):
         """``buf`` holds world_size blocks of out.size; rank r gets block r reduced over all ranks
         (``reproducible=True``: the very bits all_reduce(reproducible=True) gives for those elements)."""
@@ -79,6 +90,7 @@ class Communicator:
         self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
         return out
 
+    @asyncable
     def broadcast(self, buf, root=0, *, algo=None):
         """Every rank's ``buf`` gets root's."""
         self._check_rank(root, "broadcast root")
@@ -86,6 +98,7 @@ class Communicator:
         self._run("broadcast", algo, x, x, x.size, "sum", root, x.nbytes)
         return buf
 
+    @asyncable
     def reduce(self, buf, root=0, op=SUM, *, out=None, algo=None, reproducible=False):
         """Like all_reduce, but only ``root`` gets the result (in ``out``, default ``buf``);
         ``reproducible=True`` as for all_reduce, with the same bits."""
@@ -98,12 +111,43 @@ class Communicator:
         self._run("reduce", algo, x, y, x.size, op, root, x.nbytes)
         return buf if out is None else out
 
+    @asyncable
+    def all_to_all(self, buf, out, *, send_counts=None, recv_counts=None, algo=None):
+        """Without counts: buf's block j (world_size equal blocks) goes to rank j, and out's block i
+        comes from rank i. With send_counts and recv_counts (both, world_size ints each): the blocks
+        are packed in rank order, buf.size == sum(send_counts), out.size == sum(recv_counts), and
+        rank i's send_counts[j] must be rank j's recv_counts[i]. out may not overlap buf."""
+        x, y, m, blocks = vcounts.all_to_all_args(buf, out, send_counts, recv_counts, self.rank, self.world_size)
+        if blocks is not None:
+            algo = vcounts.direct_algo(algo, self._forced_algo, self.world_size)
+        self._run("all_to_all", algo, x, y, m, "sum", None, x.nbytes, blocks)
+        return out
+
+    @asyncable
+    def gather(self, buf, out=None, root=0, *, algo=None):
+        """``root``'s out (world_size * buf.size) gets rank r's buf at block r; other ranks omit out."""
+        self._check_rank(root, "gather root")
+        x, y = vcounts.gather_args(buf, out, self.rank == root, self.rank, root, self.world_size)
+        self._run("gather", algo, x, y, x.size, "sum", root, x.nbytes * self.world_size)
+        return out
+
+    @asyncable
+    def scatter(self, buf, out, root=0, *, algo=None):
+        """Block r of ``root``'s buf (world_size * out.size) goes to rank r's out; other ranks pass
+        buf=None."""
+        self._check_rank(root, "scatter root")
+        x, y = vcounts.scatter_args(buf, out, self.rank == root, self.rank, root, self.world_size)
+        self._run("scatter", algo, x, y, y.size, "sum", root, y.nbytes * self.world_size)
+        return out
+
+    @asyncable
     def send(self, buf, peer):
         """Send ``buf`` to ``peer``, which must call recv with a buffer of the same size and dtype."""
         self._check_rank(peer, "send peer", not_me=True)
         x = host_array(buf, "send buf", writable=False)
         self._p2p("send", p2p.p2p_send(self.rank, self.world_size, peer), x, x)
 
+    @asyncable
     def recv(self, buf, peer):
         """Receive into ``buf`` what ``peer`` sends."""
         self._check_rank(peer, "recv peer", not_me=True)
@@ -111,12 +155,19 @@ class Communicator:
         self._p2p("recv", p2p.p2p_recv(self.rank, self.world_size, peer), x, x)
         return buf
 
+    @asyncable
     def barrier(self):
         """Return once every rank has entered the barrier (a dissemination barrier)."""
         token = np.zeros(1, np.uint8)
         seq = self._next_seq()
         self._fingerprint("barrier", "dissemination", token, token.size, "sum", None, seq)
         self._execute(p2p.barrier(self.rank, self.world_size), Call("barrier", seq, token, token, 1))
+
+    def group(self) -> Group:
+        """``with comm.group(): ...``: the calls issued inside start together and all complete
+        when the block exits, so any matching set of sends, receives and collectives works
+        whatever its order and message sizes (ringcomm/group.py)."""
+        return Group(self)
 
     def alloc(self, shape, dtype=np.float32) -> np.ndarray:
         """A zeroed numpy array in shared memory that this host's other ranks map: collectives on
@@ -162,13 +213,21 @@ class Communicator:
         with self._lock:
             if self._broken is None:
                 self._broken = "comm.abort() was called"
-            if not self._in_flight:
+        # Every call runs holding the progress token (ringcomm/progress.py). Free: close the links now,
+        # so the peers learn at once. Held: the running call meets the abort in its waits, or at
+        # its next _execute_now, and closes them itself -- never under a running executor.
+        if self._progress.token.acquire(False):
+            try:
                 self._links.close()
+            finally:
+                self._progress.token.release()
+        self._progress.fail_queued("comm.abort() was called")
 
     def close(self):
         """Release connections, segments and (on the rank that hosts it) the store."""
         if self._closed:
             return
+        self._progress.close(self.timeout)  # queued calls finish first, within the timeout
         self._closed = True
         self._scratch.clear()
         self._links.close()
@@ -206,14 +265,22 @@ class Communicator:
 
     # ---- the work ------------------------------------------------------------------------------
 
-    def _run(self, collective, algo, x, y, m, op, root, nbytes):
-        # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
-        auto = self._forced_algo in ("", "read") and (algo is None or algo == self._forced_algo)
-        algo = settle(self._registry, collective, self._pick_algo(collective, algo, nbytes), auto, x, y, nbytes)
+    def _run(self, collective, algo, x, y, m, op, root, nbytes, blocks=None):
+        picked = self._pick_algo(collective, algo, nbytes)
+        if self._registry is not None or picked == READ:  # comm.alloc was called, or "read" asked for
+            # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
+            auto = self._forced_algo in ("", READ) and (algo is None or algo == self._forced_algo)
+            picked = settle(self._registry, collective, picked, auto, x, y, nbytes)
+        algo = picked
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
+        if sched.registered and algo != READ and self.world_size > 1 and not (
+                self._registry is not None and self._registry.holds(x, y)):
+            refuse(collective, algo)  # an algorithm of the user's with read steps, on plain memory
         seq = self._next_seq()
-        self._fingerprint(collective, algo, x, m, op, root, seq)
-        self._execute(sched, Call(collective, seq, x, y, m, op))  # a ReduceOp is its name (a str)
+        self._fingerprint(collective, algo, x, m if blocks is None else vcounts.PACKED, op, root, seq)
+        if blocks is not None and self._check and self.world_size > 1:
+            self._progress.later(functools.partial(self._check_counts, blocks, seq))
+        self._execute(sched, Call(collective, seq, x, y, m, op, blocks=blocks))  # a ReduceOp is its name (a str)
 
     def _reproducible(self, wanted, collective, algo, x, y, op, root) -> bool:
         """Run the call in reproducible mode if ``wanted``; False (nothing done) if not."""
@@ -223,8 +290,8 @@ class Communicator:
             return False
         fmt = repro.check(collective, x.dtype, op, self.world_size)
         algo = self._pick_algo(collective, algo, x.size * fmt.NL * fmt.limb.itemsize)
-        if x.size:
-            repro.run(self, collective, algo, x, y, op, root)
+        if x.size:  # passes that read each other's results: in order, where the data moves (progress.py)
+            self._progress.later(functools.partial(repro.run, self, collective, algo, x, y, op, root))
         return True
 
     def _fingerprint(self, collective, algo, x, m, op, root, seq):
@@ -232,24 +299,45 @@ class Communicator:
         if not self._check or self.world_size == 1:
             return
         mine = check.fingerprint(collective, x.dtype, op, algo, root, m, self._ordinal)
+        self._progress.later(functools.partial(self._compare_fingerprints, collective, mine, seq))
+
+    def _compare_fingerprints(self, collective, mine, seq):
         every = np.empty(mine.size * self.world_size, np.uint8)
         gather = build_schedule("all_gather", "ring", self.rank, self.world_size, None)
-        self._execute(gather, Call(f"{collective} (fingerprint)", seq, mine, every, mine.size))
+        self._execute_now(gather, Call(f"{collective} (fingerprint)", seq, mine, every, mine.size))
         check.compare(self.rank, every, self.world_size)
+
+    def _check_counts(self, blocks, seq):
+        """RINGCOMM_DEBUG=check: all-gather every rank's counts; all see whether they agree pairwise."""
+        mine = vcounts.counts_row(blocks)
+        every = np.empty(mine.size * self.world_size, mine.dtype)
+        gather = build_schedule("all_gather", "ring", self.rank, self.world_size, None)
+        self._execute_now(gather, Call("all_to_all (counts check)", seq, mine, every, mine.size))
+        vcounts.compare(self.rank, every.reshape(self.world_size, mine.size))
 
     def _p2p(self, name, sched, x, y):
         self._execute(sched, Call(name, self._next_seq(), x, y, x.size))
 
     def _execute(self, sched, call):
-        with self._lock:
-            if self._broken is not None:  # abort() may have come after _next_seq
-                raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
-            self._in_flight = True
+        """Every call's data movement starts here: now, on this thread; or queued (async_op=True);
+        or with its group (comm.group()). ringcomm/progress.py decides."""
+        if self._progress.capturing:
+            self._progress.execute(sched, call)
+        else:
+            self._execute_now(sched, call)
+
+    def _execute_now(self, sched, call, engine=None):
+        """Run one call (``engine``: default the host executor or the device path; a group passes
+        its own), refused on a broken communicator; a failure breaks it. The caller holds the
+        progress token (every call does: ringcomm/progress.py), so abort() cannot close the links
+        under it."""
+        if engine is None:
+            engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
+        if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
+            self._links.close()
+            raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
         try:
-            if isinstance(call.inp, np.ndarray):
-                self._executor.run(sched, call)
-            else:
-                self._device_path().run(sched, call)
+            engine.run(sched, call)
         except RingcommError as e:
             # A failed collective leaves peers and FIFOs in an unknown state: refuse later
             # calls, and close the links so the peers waiting on this rank learn it now.
@@ -261,8 +349,6 @@ class Communicator:
                 # so a program that catches the error loses no time).
                 atexit.register(self._executor.watchdog.linger)
             raise
-        finally:
-            self._in_flight = False
 
     def _device_path(self):
         if self._device is None:

@@ -1,31 +1,43 @@
 """Collectives on device buffers: the same schedules and executor, with kernels and copies on a GPU stream.
 
 A communicator makes its DevicePath at its first call on device buffers (see ringcomm/buffers.py), bound
-to the GPU current at that moment. The path owns:
+to the GPU current at that moment: one communicator, one GPU. The path owns:
 
 - a CUDA stream of ringcomm's own. Every kernel and copy of a device call, and the cuda_ipc connections'
-  event records and waits, are queued on it, in the order the executor issues them;
+  flag waits and writes, are queued on it, in the order the executor issues them;
 - a second Executor over the same schedules, whose links are the cuda_ipc connections to the same peers
-  (Links.device) and whose slots are device memory of RINGCOMM_CUDA_BUFFSIZE bytes per connection (64 MiB
-  by default: every slice costs tens of microseconds of Python, so GPU slices are made larger than host
-  ones);
+  (Links.device), with slots of RINGCOMM_CUDA_BUFFSIZE bytes per connection (64 MiB by default);
 - the stream rule (NCCL's): at the start of a call our stream waits for an event recorded on the caller's
-  stream, at the end the caller's stream waits for one recorded on ours. The host never waits for the GPU;
-  a collective's result is ready on the caller's stream when the call returns.
+  stream; at the end, *if the call succeeded*, the caller's stream waits for one recorded on ours. A call
+  that raised never chains the caller's stream to work that may never finish. The host never waits for
+  the GPU: a result is ready on the caller's stream when the call returns;
+- the progress watch (device_watch.py): the end-of-call event is kept and queried at later calls and at
+  close; one the GPU has not passed within RINGCOMM_TIMEOUT raises, naming the flag the stream waits on.
 
-The executor hands each slice to ``DeviceSteps`` (``call.dev``), which does what executor._slice does on
-the host, with ringcomm.kernels.device.
+Every call, close and cleanup makes the communicator's GPU current in the calling thread (and restores
+the caller's after). CUDA failures become DeviceError (a RingcommError: the communicator is then broken
+and its links closed) naming the CUDA call and its error. The CUDA runtime is ringcomm.transport.cuda_rt's.
 """
 from __future__ import annotations
 
-import time
+from ringcomm.transport import cuda_rt
+from ringcomm.transport.cuda_rt import CudaError
 
 from .buffers import address
+from .device_watch import ProgressWatch
 from .env import env_number
+from .errors import RingcommError
 from .executor import Executor
 
 DEFAULT_CUDA_BUFFSIZE = 64 * 1024 * 1024
-CLOSE_GRACE = 5.0
+
+
+class DeviceError(RingcommError):
+    """A CUDA call of the device path failed; ``cuda_call`` and ``cuda_error`` say which and how."""
+
+    def __init__(self, message: str, cause: CudaError):
+        super().__init__(message)
+        self.cuda_call, self.cuda_error = cause.call, cause.error
 
 
 def cuda_slot_bytes(nslots: int) -> int:
@@ -36,30 +48,39 @@ def cuda_slot_bytes(nslots: int) -> int:
 
 class DeviceSteps:
     """One slice of a step on the GPU (what executor._slice does on the host): the value is computed where it
-    is needed first -- the output, or the outgoing slot -- and copied (cudaMemcpyAsync) where else it goes."""
+    is needed first -- the output, or the outgoing slot -- and copied (cudaMemcpyAsync) where else it goes.
+    Work is queued through the runtime's launch, on our stream."""
 
-    def __init__(self, kernels, stream):
-        self.k, self.stream = kernels, stream
+    def __init__(self, kernels, rt, stream: int):
+        self.k, self.rt, self.stream = kernels, rt, stream
+        try:
+            self.kstream = kernels.as_stream(stream)        # numba's handle on our stream, made once
+        except Exception as e:  # noqa: BLE001 - numba's CudaAPIError: a CudaError, named
+            raise CudaError("numba.cuda.external_stream", f"{type(e).__name__}: {e}") from e
 
-    def apply(self, step, call, x_in, x_out, srcs, dsts, world_size) -> None:
-        k, s = self.k, self.stream
+    def apply(self, step, call, io, oo, k, srcs, dsts, world_size) -> None:
+        kn, s, launch, ks = self.k, self.stream, self.rt.launch, self.kstream
+        x_in = call.inp[io:io + k]
+        x_out = call.out[oo:oo + k] if step.copies or (step.reduces and not dsts) else None
         if not step.recvs:
             value = x_in
         elif not step.reduces:
             value = srcs[0]
+            if step.copies and dsts:    # read the peer's slot once: into the output, then on from there
+                launch(s, kn.copy, x_out, value, ks)
+                value = x_out
         else:
-            value = x_out if step.copies else dsts[0]
-            k.reduce_copy(value, x_in, srcs[0], call.op, s)
+            value = x_out if x_out is not None else dsts[0]
+            launch(s, kn.reduce_copy, value, x_in, srcs[0], call.op, ks)
             for extra in srcs[1:]:
-                k.reduce(value, extra, call.op, s)
+                launch(s, kn.reduce, value, extra, call.op, ks)
             if step.final:
-                k.postprocess(value, call.op, world_size, s)
-        at = address(value)
-        if step.copies and address(x_out) != at:
-            k.copy(x_out, value, s)
+                launch(s, kn.postprocess, value, call.op, world_size, ks)
+        if step.copies and value is not x_out and not (value is x_in and address(x_in) == address(x_out)):
+            launch(s, kn.copy, x_out, value, ks)
         for d in dsts:
-            if address(d) != at:
-                k.copy(d, value, s)
+            if d is not value:
+                launch(s, kn.copy, d, value, ks)
 
 
 class DeviceLinks:
@@ -68,6 +89,14 @@ class DeviceLinks:
     def __init__(self, links, slot_bytes: int, stream: int):
         self.links, self.slot_bytes, self.stream = links, slot_bytes, stream
         self.conns: dict = {}
+
+    @property
+    def call(self):
+        return self.links.call
+
+    @call.setter
+    def call(self, call) -> None:           # the executor names its call here; connect errors name it
+        self.links.call = call
 
     def __call__(self, peer: int, direction: str):
         conn = self.conns.get((peer, direction))
@@ -84,49 +113,6 @@ class DeviceLinks:
             self(p, "recv")
 
 
-class _Runtime:
-    """Streams and events through cupy; numba's CUDA simulator (synchronous) needs none of it."""
-
-    def __init__(self, simulated: bool):
-        self.rt = None
-        if not simulated:
-            try:
-                import cupy
-            except ImportError as e:
-                raise ImportError(f"device buffers need cupy: pip install 'ringcomm[cuda]' ({e})") from e
-            self.rt = cupy.cuda.runtime
-
-    def device(self) -> int:
-        return 0 if self.rt is None else self.rt.getDevice()
-
-    def device_of(self, ptr: int) -> int:
-        return 0 if self.rt is None else self.rt.pointerGetAttributes(ptr).device
-
-    def stream(self) -> int:
-        return 0 if self.rt is None else self.rt.streamCreateWithFlags(self.rt.streamNonBlocking)
-
-    def event(self) -> int:
-        return 0 if self.rt is None else self.rt.eventCreateWithFlags(self.rt.eventDisableTiming)
-
-    def order(self, waiter: int, after: int, event: int) -> None:
-        """Work queued on ``waiter`` from now on runs after the work queued on ``after`` so far."""
-        if self.rt is not None:
-            self.rt.eventRecord(event, after)
-            self.rt.streamWaitEvent(waiter, event, 0)
-
-    def close(self, stream: int, events) -> None:
-        if self.rt is None:
-            return
-        deadline = time.monotonic() + CLOSE_GRACE
-        while self.rt.streamQuery(stream) != 0:     # a peer that died may leave our stream waiting for ever
-            if time.monotonic() > deadline:
-                return                              # leak the stream and events: the process is going down
-            time.sleep(1e-3)
-        for e in events:
-            self.rt.eventDestroy(e)
-        self.rt.streamDestroy(stream)
-
-
 def _stream_ptr(arr) -> int:
     """The raw cudaStream_t a flat view from ringcomm.buffers is bound to (the caller's stream); 0: legacy."""
     s = getattr(arr, "stream", 0)
@@ -136,29 +122,84 @@ def _stream_ptr(arr) -> int:
 class DevicePath:
     def __init__(self, links, host: Executor):
         from ringcomm.kernels import device as kernels
-        self.rt = _Runtime(kernels.SIMULATOR)
-        self.device = self.rt.device()
-        self.stream = self.rt.stream()
-        self.events = (self.rt.event(), self.rt.event())
+        self.rank, self.rt = host.rank, cuda_rt.get()
+        try:
+            self.device = self.rt.get_device()
+            self.stream = self.rt.stream_create()
+            self.start = self.rt.event_create()
+            self.steps = DeviceSteps(kernels, self.rt, self.stream)
+        except CudaError as e:
+            raise DeviceError(f"rank {self.rank} (this process) could not set up its device path: {e}", e) from None
         slot_bytes = cuda_slot_bytes(host.nslots)
         self.links = DeviceLinks(links, slot_bytes, self.stream)
         self.executor = Executor(host.rank, host.world_size, self.links, host.timeout, slot_bytes, host.nslots)
         self.executor.watchdog = host.watchdog
-        self.steps = DeviceSteps(kernels, kernels.as_stream(self.stream))
+        self.watch = ProgressWatch(self.rt, host.rank, host.timeout, self.links, links.ctx.abort)
 
     def run(self, sched, call) -> None:
-        for arr, what in ((call.inp, "buf"), (call.out, "out")):
-            if arr.size and self.rt.device_of(address(arr)) != self.device:
-                raise ValueError(f"{call.name} {what} is on cuda:{self.rt.device_of(address(arr))}, but this "
-                                 f"communicator runs on cuda:{self.device}, the device current at its first "
-                                 f"call on device buffers: one communicator, one GPU")
-        caller = _stream_ptr(call.inp)
-        self.rt.order(self.stream, caller, self.events[0])
-        call.dev = self.steps
+        try:
+            with cuda_rt.on_device(self.rt, self.device):
+                caller = self._check(call)
+                self.watch.check(f"{call.name} #{call.seq}")
+                self.rt.event_record(self.start, caller)        # our work runs after the caller's so far
+                self.rt.stream_wait_event(self.stream, self.start)
+                self._prepare(call)
+                call.dev = self.steps
+                self._execute(sched, call)
+                done = self.watch.finished(self.stream, f"{call.name} #{call.seq}")
+                self.rt.stream_wait_event(caller, done)         # success only: the caller's later work
+        except CudaError as e:
+            raise DeviceError(f"rank {self.rank} (this process) failed in {call.name} #{call.seq} on "
+                              f"cuda:{self.device}: {e}", e) from None
+
+    def _prepare(self, call) -> None:
+        """Compile the call's kernels before its first slice; a compiler or driver failure is a CudaError."""
+        try:
+            self.steps.k.prepare(call.op, call.inp.dtype)
+        except (TypeError, ValueError):
+            raise
+        except Exception as e:  # noqa: BLE001 - numba's NvvmError, CudaAPIError, ...: named, not raw
+            raise CudaError(f"compiling the {call.op} kernels for {call.inp.dtype}", f"{type(e).__name__}: {e}") from e
+
+    def _execute(self, sched, call) -> None:
+        """The executor's run, with the watchdog asking the device executor where this rank is."""
+        watchdog = self.executor.watchdog
+        saved = watchdog.position if watchdog is not None else None
+        if watchdog is not None:
+            watchdog.position = self.executor.position
         try:
             self.executor.run(sched, call)
         finally:
-            self.rt.order(caller, self.stream, self.events[1])
+            if watchdog is not None:
+                watchdog.position = saved
+
+    def _check(self, call) -> int:
+        """The caller's stream, after checking that it and the buffers are on our GPU and not captured."""
+        for arr, what in ((call.inp, "buf"), (call.out, "out")):
+            dev = self.rt.device_of(address(arr)) if arr.size else self.device
+            if dev != self.device:
+                raise ValueError(f"{call.name} {what} is on cuda:{dev}, but this communicator runs on cuda:"
+                                 f"{self.device}, the device current at its first call on device buffers: "
+                                 f"one communicator, one GPU")
+        caller = _stream_ptr(call.inp)
+        dev = self.rt.stream_device(caller)
+        if dev is not None and dev != self.device:
+            raise ValueError(f"{call.name}: the caller's stream is on cuda:{dev}, but this communicator runs "
+                             f"on cuda:{self.device}")
+        if self.rt.stream_capturing(caller):
+            raise ValueError(f"{call.name}: the caller's stream is being captured into a CUDA graph; ringcomm's "
+                             f"device collectives are driven by the host slice by slice and cannot be captured: "
+                             f"call it outside the capture")
+        return caller
 
     def close(self) -> None:
-        self.rt.close(self.stream, self.events)
+        """After the links (whose close drains our stream, releasing what it waits on): drop the events and
+        the stream if the stream has drained by the deadline, else leave them (never block past it)."""
+        with cuda_rt.on_device(self.rt, self.device, quiet=True):
+            drained = self.watch.close(self.stream)
+            try:
+                if drained:
+                    self.rt.event_destroy(self.start)
+                    self.rt.stream_destroy(self.stream)
+            except CudaError:
+                pass                                        # cleanup never hides the error that led here

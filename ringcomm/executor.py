@@ -10,6 +10,13 @@ its buffer the same way; the simulator checks it for every schedule).
 
 Where a step receives, reduces and sends, the executor reduces straight out of
 the incoming slot into the outgoing one: one pass over the data, no scratch.
+
+This is the reference engine, the one the docs teach. With ``engine="native"``
+(RINGCOMM_ENGINE, the default) a call whose links are all shm runs the same plan,
+cut into cache-sized slices, in compiled code (ringcomm/engine_native.py); every
+other call (tcp, ibverbs, device buffers) runs here. Schedules that read peers'
+registered buffers (algorithm "read", comm.alloc) use no FIFO: on either engine
+they run in ringcomm/read_engine.py.
 """
 from __future__ import annotations
 
@@ -26,6 +33,9 @@ from .errors import CollectiveTimeout, PeerFailure, RingcommError
 from .schedule.step import SPLIT, Schedule, chunk_span
 
 
+NATIVE_BUDGET_S = 1e-3  # the native loop returns to Python at least this often
+
+
 @dataclass(slots=True)
 class Call:
     """One collective call as the executor sees it."""
@@ -37,32 +47,65 @@ class Call:
     m: int             # the range count the layouts refer to
     op: str = "sum"
     dev: object = None  # device buffers: ringcomm.device.DeviceSteps does each slice's work on the GPU
+    # Packed variable blocks (all_to_all's counts): ((offset, length) of each input block, the
+    # same for the output), handed to chunk_span; m is then the longest block, so the rounds
+    # cover every block. None: equal blocks of m.
+    blocks: tuple | None = None
 
 
 class Executor:
     def __init__(self, rank: int, world_size: int, links: Callable, timeout: float,
-                 slot_bytes: int, nslots: int):
+                 slot_bytes: int, nslots: int, engine: str = "python", slice_bytes: int = 0,
+                 spin_s: float = 0.0):
         self.rank, self.world_size = rank, world_size
         self.links = links  # links(peer, "send" | "recv") -> Connection; links.prepare(srcs, dsts)
         self.timeout, self.slot_bytes, self.nslots = timeout, slot_bytes, nslots
         self.watchdog = None  # ringcomm.watchdog.Watchdog, told of every failure
         # Where this rank is, for the watchdog's table: plain attributes, cheap to keep current.
         self._call, self._step, self._nsteps, self._waiting = None, 0, 0, None
-        self._plans: dict = {}  # (id(schedule), item size, count) -> (schedule, slice plan), see _plan
+        # (id(schedule), item size, count, native?) -> (schedule, plan), see _plan
+        self._plans: dict = {}
         self.registered = None  # ringcomm.registered.Registry, once comm.alloc() was called
+        self.native = self._native_off = None
+        self._spin_s = spin_s
+        self.slice_bytes = min(slice_bytes or slot_bytes, slot_bytes)
+        if engine == "native":
+            from .engine_native import NativeEngine
+            self.native = NativeEngine(self, spin_s=spin_s, budget_s=NATIVE_BUDGET_S)
+
+    @property
+    def engine(self) -> str:
+        """"native" or "python": the engine that runs calls over shm (tests switch it to run
+        one case on both; RINGCOMM_ENGINE picks it at init)."""
+        return "python" if self.native is None else "native"
+
+    @engine.setter
+    def engine(self, name: str) -> None:
+        if name == self.engine:
+            return
+        if name == "python":
+            self.native.release()
+            self._native_off, self.native = self.native, None
+        elif name == "native":
+            if self._native_off is None:
+                from .engine_native import NativeEngine
+                self._native_off = NativeEngine(self, spin_s=self._spin_s, budget_s=NATIVE_BUDGET_S)
+            self.native, self._native_off = self._native_off, None
+        else:
+            raise ValueError(f"engine must be 'native' or 'python', got {name!r}")
 
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:
             return
-        if sched.registered:  # reads peers' registered buffers: ringcomm/registered.py (Python engine only)
-            return self.registered.run(self, sched, call)
+        if sched.registered:  # reads peers' registered buffers, no FIFO: ringcomm/read_engine.py on
+            return self.registered.run(self, sched, call)  # either engine (the native one never sees it)
         self.links.call = call  # named in connect errors
-        # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
-        # alive and is checked, so a recycled id can never return another schedule's plan.
-        owner, plan = self._plans.get((id(sched), call.inp.itemsize, call.m), (None, None))
-        if owner is not sched:
-            plan = self._plan(sched, call)
         self._call, self._nsteps = call, len(sched.steps)
+        if self.native is not None and call.dev is None:
+            if self._run_native(sched, call):
+                return
+            self.native.release()  # the reference engine takes over the connections' counters
+        plan = self._cached_plan(sched, call, False)
         inp, out = call.inp, call.out
         if call.dev is not None:
             for entry in plan:
@@ -78,29 +121,49 @@ class Executor:
             for entry in plan:
                 self._slice(entry, call, inp, out, fn, in_place)
 
-    def _plan(self, sched: Schedule, call: Call) -> list:
+    def _run_native(self, sched: Schedule, call: Call) -> bool:
+        """Run the call in the native engine if it can take it (all links shm, a dtype whose
+        compiled arithmetic matches the host kernels); whether it did."""
+        plan = self._cached_plan(sched, call, True)
+        return plan is not None and self.native.run(plan, call)
+
+    def _cached_plan(self, sched: Schedule, call: Call, native: bool):
+        # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
+        # alive and is checked, so a recycled id can never return another schedule's plan.
+        key = (id(sched), call.inp.itemsize, call.m, call.blocks, native)
+        owner, plan = self._plans.get(key, (None, None))
+        if owner is not sched:
+            plan = self._plan(sched, call, native)
+            if len(self._plans) >= 64:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[key] = (sched, plan)
+        return plan
+
+    def _plan(self, sched: Schedule, call: Call, native: bool = False):
         """Every slice of the call, in order: where it reads and writes and which connections it
-        uses. Built once per (schedule, item size, count), so a repeated call is one tight loop."""
+        uses. Built once per (schedule, item size, count, blocks, engine), so a repeated call is one tight
+        loop. The native engine cuts slices of slice_bytes (cache-sized, see README), the reference
+        engine fills whole slots (each slice costs it ~5 us of Python)."""
         srcs, dsts = sched.peers()
         self.links.prepare(srcs, dsts)
-        slot_elems = self.slot_bytes // call.inp.itemsize
+        slot_elems = (self.slice_bytes if native else self.slot_bytes) // call.inp.itemsize
         chunk_elems = slot_elems * max(1, self.nslots // 2)
         round_elems = chunk_elems * (sched.nchunks if sched.in_layout == SPLIT else 1)
         plan = []
+        ins, outs = call.blocks if call.blocks is not None else (None, None)
         for a in range(0, call.m, round_elems):
             b = min(a + round_elems, call.m)
             for i, step in enumerate(sched.steps):
-                io, n = chunk_span(sched.in_layout, sched.nchunks, step.chunk, a, b, call.m)
-                oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, a, b, call.m)
+                io, n = chunk_span(sched.in_layout, sched.nchunks, step.chunk, a, b, call.m, ins)
+                oo, n_out = chunk_span(sched.out_layout, sched.nchunks, step.chunk, a, b, call.m, outs)
+                if step.recvs:  # a packed block's length is known here from its output block
+                    n = n_out   # (the same as the input's for equal blocks and other layouts)
                 recvs = tuple((p, self.links(p, "recv")) for p in step.src)
                 sends = tuple((p, self.links(p, "send")) for p in step.dst)
                 for s in range(0, n, slot_elems):
                     k = min(slot_elems, n - s)
                     plan.append((i, step, io + s, oo + s, k, k * call.inp.itemsize, recvs, sends, len(plan)))
-        if len(self._plans) >= 64:
-            self._plans.pop(next(iter(self._plans)))
-        self._plans[(id(sched), call.inp.itemsize, call.m)] = (sched, plan)
-        return plan
+        return self.native.plan(plan) if native else plan
 
     def _slice(self, entry, call: Call, inp, out, fn, in_place) -> None:
         self._step, step, io, oo, k, nbytes, recvs, sends, nslice = entry
@@ -132,12 +195,15 @@ class Executor:
 
     def _device_slice(self, entry, call: Call) -> None:
         self._step, step, io, oo, k, nbytes, recvs, sends, nslice = entry
-        srcs = [self._wait(p, c, call, nbytes, nslice) for p, c in recvs]
-        dsts = [self._acquire(p, c, call, nslice)[:nbytes] for p, c in sends]
         dtype = call.inp.dtype
-        srcs = [x.view(dtype) for x in srcs]
-        dsts = [x.view(dtype) for x in dsts]
-        call.dev.apply(step, call, call.inp[io:io + k], call.out[oo:oo + k], srcs, dsts, self.world_size)
+        for p, c in recvs:
+            self._wait(p, c, call, nbytes, nslice)
+        for p, c in sends:
+            self._acquire(p, c, call, nslice)
+        # The connections keep a typed view per (slot, dtype): one cheap slice each, no view per slice.
+        srcs = [c.typed(dtype, k) for _, c in recvs]
+        dsts = [c.typed(dtype, k) for _, c in sends]
+        call.dev.apply(step, call, io, oo, k, srcs, dsts, self.world_size)
         for _, c in recvs:
             c.release()
         self._post(sends, call, nbytes, nslice)

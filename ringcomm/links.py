@@ -4,8 +4,9 @@ Peers on the same host (same boot, same network namespace) use shared memory,
 everything else TCP, as NCCL picks its p2p/shm transports before the network
 (src/transport.cc). Between hosts, ibverbs (RDMA) when both ends have an active
 RDMA port, else TCP. RINGCOMM_TRANSPORT=tcp|shm|ibverbs forces one everywhere.
-Calls on device (CUDA) buffers use cuda_ipc to every peer, which must all be on
-this host: their connections (Links.device) live beside the host ones.
+Calls on device (CUDA) buffers use cuda_ipc to peers on this host and, to the others, the
+network transport staged through registered host slots (Links.device); those connections
+live beside the host ones.
 """
 from __future__ import annotations
 
@@ -106,13 +107,15 @@ class Links:
             if self.closed:
                 raise CommunicatorClosed(f"rank {self.ctx.rank}: this communicator's links are closed")
             host = self.transport_for(peer)
+            name = "cuda_ipc" if host == "shm" else f"{host}+staged"     # another host: see cuda_staged.py
+            if name not in self.transports:
+                ctx = replace(self.ctx, slot_bytes=slot_bytes, prefix=f"{self.ctx.prefix}/device")
+                self.transports[name] = _make_transport("cuda_ipc" if host == "shm" else host, ctx)
+            conn = self._connect(peer, direction, name)
             if host != "shm":
-                raise RingcommError(f"rank {self.ctx.rank} (this process) cannot reach rank {peer} over cuda_ipc: "
-                                    f"device buffers need every peer on this host, and the link to rank {peer} "
-                                    f"is {host}{' (RINGCOMM_TRANSPORT)' if self.forced else ''}")
-            if "cuda_ipc" not in self.transports:
-                self.transports["cuda_ipc"] = _make_transport("cuda_ipc", replace(self.ctx, slot_bytes=slot_bytes))
-            conn = self.conns[(peer, direction, "cuda_ipc")] = self._connect(peer, direction, "cuda_ipc")
+                from ringcomm.transport.cuda_staged import staged
+                conn = staged(conn, direction, name)
+            self.conns[(peer, direction, "cuda_ipc")] = conn
         return conn
 
     def transport_for(self, peer: int) -> str:
@@ -141,7 +144,8 @@ class Links:
             return t.connect_send(peer, deadline) if direction == "send" else t.connect_recv(peer, deadline)
         except (PeerTimeout, StoreTimeout) as e:
             raise CollectiveTimeout(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
-                                    f"({direction}{self._purpose()}) over {name} within {self.timeout:g} s: {e}") from None
+                                    f"({direction}{self._purpose()}) over {name} within the {self.timeout:g} s "
+                                    f"timeout of this communicator: {e}") from None
         except Aborted as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) was aborted while connecting to rank "
                                 f"{peer} ({direction}{self._purpose()}) over {name}: {e}") from None

@@ -34,8 +34,11 @@ DEFAULT = {"alpha": 3.0e-5, "beta": 2.5e-10, "gamma": 4.0e-10}
 # and ringcomm-bench measures it slower than the ring here (docs/cost_model.md), so automatic
 # choice keeps to the algorithms whose executor cost the model tracks. Widen it at your own risk
 # (never with oneshot: its ranks combine in different orders).
+# all_to_all: pairwise or Bruck (fewer, larger messages: small blocks on many ranks); with packed
+# counts always a direct algorithm (vcounts.direct_algo), never the model's pick.
 AUTO = {"all_reduce": ("ring", "tree"), "reduce_scatter": ("ring",), "all_gather": ("ring",),
-        "broadcast": ("ring", "tree"), "reduce": ("ring", "tree")}
+        "broadcast": ("ring", "tree"), "reduce": ("ring", "tree"), "all_to_all": ("pairwise", "bruck"),
+        "gather": ("linear", "binomial"), "scatter": ("linear", "binomial")}
 
 
 @dataclass
@@ -70,7 +73,8 @@ def cost_breakdown(collective, algo, world_size, nbytes, alpha, beta, gamma, *, 
 
 def cost(collective, algo, world_size, nbytes, alpha, beta, gamma, *, root=None, model="rounds"):
     """Modelled seconds of one call: ``nbytes`` is the vector of all_reduce, broadcast and reduce,
-    the gathered output of all_gather, the input of reduce_scatter (the paper's n)."""
+    the gathered output of all_gather and gather, the input of reduce_scatter and scatter, what each
+    rank sends in all_to_all (the paper's n)."""
     return cost_breakdown(collective, algo, world_size, nbytes, alpha, beta, gamma, root=root,
                           model=model).seconds
 

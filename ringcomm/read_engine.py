@@ -17,7 +17,8 @@ checks it), so no rank returns, and lets its caller overwrite the buffer, while 
 reads it. All ranks make the same registered calls in the same order, so call numbers agree.
 
 One call is one round over the whole buffer (no slicing: nothing is staged). Reductions run in
-cache-sized pieces, so the n - 1 passes over an output piece stay in L2. Python engine only.
+cache-sized pieces, so the n - 1 passes over an output piece stay in L2. numpy, whichever engine
+the communicator runs: the executor sends read schedules here before the native engine sees them.
 """
 from __future__ import annotations
 

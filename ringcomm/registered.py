@@ -32,6 +32,7 @@ from ringcomm.kernels import host as kernels
 from ringcomm.transport.base import PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key
 
 from .buffers import address
+from .catalogue import ALGOS
 from .errors import CollectiveTimeout, RingcommError
 from .read_engine import CLOSED, MAPPED, PID, SYNC, ReadEngine
 from .schedule.onecopy import ALGO
@@ -45,21 +46,24 @@ _serial = 0                  # segments this process has created
 
 
 def settle(reg, collective: str, algo: str, auto: bool, x, y, nbytes: int) -> str:
-    """The algorithm to run. Chosen automatically: "read" when buf and out are registered and the
-    call moves at least READ_MIN_BYTES (never on other buffers: a forced RINGCOMM_ALGO=read falls
-    back to the ring there). Asked for by name: "read" on buffers that are not registered is a
-    ValueError."""
+    """The algorithm to run. Chosen automatically: "read" when buf and out are registered, the
+    collective has a read algorithm (all_to_all, gather and scatter have none) and the call moves
+    at least READ_MIN_BYTES (never on other buffers: a forced RINGCOMM_ALGO=read falls back to the
+    ring there). Asked for by name: "read" on buffers that are not registered is a ValueError."""
     held = reg is not None and reg.holds(x, y)
     if auto:
-        if held and nbytes >= READ_MIN_BYTES:
+        if held and nbytes >= READ_MIN_BYTES and ALGO in ALGOS[collective]:
             return ALGO
         return "ring" if algo == ALGO else algo
-    if algo == ALGO and not held:
-        if reg is not None and reg.n == 1:
-            return algo  # one rank: the read schedules are a local copy
-        raise ValueError(f"{collective} algo={ALGO!r} reads the peers' buffers directly: buf and out "
-                         f"must come from comm.alloc(), on a communicator whose ranks all share this host")
+    if algo == ALGO and not held and not (reg is not None and reg.n == 1):  # one rank: a local copy
+        refuse(collective, algo)
     return algo
+
+
+def refuse(collective: str, algo: str) -> None:
+    """The ValueError for an algorithm with read steps on buffers that are not registered."""
+    raise ValueError(f"{collective} algo={algo!r} reads the peers' buffers directly: buf and out "
+                     f"must come from comm.alloc(), on a communicator whose ranks all share this host")
 
 
 def _shape(shape) -> tuple[int, ...]:
@@ -81,10 +85,16 @@ class _Map:
     def __init__(self, path: str, size: int, create: bool):
         from ringcomm.transport import shm  # x86-only, like the rest of shared memory
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        if create:  # tracked before it exists, as in shm.py: a SIGTERM right after the open finds it
+            shm.track(path)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError:
+            if create:
+                shm.untrack(path)
+            raise
         try:
             if create:
-                shm.track(path)
                 os.ftruncate(fd, size)
             # MAP_POPULATE: the page faults are paid here, not in the first collective.
             self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))

@@ -6,10 +6,11 @@
 
 A Python ProcessGroup, as torch's own testing/_internal/distributed/multi_threaded_pg.py builds
 one. torch hands the backend its c10d Store; ringcomm rendezvous through it (TorchStore), so no
-second port is opened. Each process group owns one Communicator and one worker thread: calls
-queue in the order they are made and run one at a time, and each returns a Work whose wait() and
-get_future() follow it. DDP's reducer calls allreduce from C++ and waits on the future with the
-GIL released, so the worker runs while backward goes on.
+second port is opened. Each process group owns one Communicator; its calls queue on the
+communicator's progress thread (ringcomm/progress.py) in the order they are made and run one at a
+time, and each returns a Work whose wait() and get_future() follow it. DDP's reducer calls
+allreduce from C++ and waits on the future with the GIL released, so the progress thread runs
+while backward goes on.
 
 Reproducible sums: with RINGCOMM_REPRODUCIBLE=1 in the environment when a group is made (or
 ``ProcessGroupRingcomm.reproducible = True`` later), every float SUM / AVG the group reduces --
@@ -18,7 +19,8 @@ its bits depend only on the multiset of the ranks' tensors. Other reductions (MI
 integer dtypes) run as before: MIN, MAX and integer sums are order-independent already.
 
 Tensors are read and written in place through numpy views of their memory (bfloat16 through
-ml_dtypes); CPU tensors only for now. What the backend does not do raises NotImplementedError
+ml_dtypes); CUDA tensors go to ringcomm's device path with ProcessGroupNCCL's stream semantics
+(ringcomm/torch_cuda.py). What the backend does not do raises NotImplementedError
 saying so. A Python ProcessGroup stands for the whole group (torch cannot take a Python backend
 for one device only), so "cpu:ringcomm,cuda:nccl" would still route CUDA tensors here.
 """
@@ -38,7 +40,10 @@ except ImportError as e:  # pragma: no cover - exercised only without torch
 
 import ringcomm
 
-from .torch_support import TorchStore, Work, Worker, check_tensor, host_view, ring_op, same_kind
+from . import torch_collectives as colls
+from . import torch_cuda, torch_groups
+from .torch_p2p import P2PBatch
+from .torch_support import TorchStore, Work, check_tensor, host_view, ring_op, same_kind
 
 BACKEND = "ringcomm"
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # groups still open, closed at exit
@@ -47,7 +52,8 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()  # groups still open, closed at exit
 def _unsupported(name: str):
     def method(self, *args, **kwargs):
         raise NotImplementedError(f"the ringcomm backend does not implement {name}; it has all_reduce, "
-                                  f"all_gather, reduce_scatter, broadcast, reduce, send, recv and barrier")
+                                  f"all_gather, reduce_scatter, broadcast, reduce, gather, scatter, all_to_all, "
+                                  f"send, recv and barrier, and coalesced all_reduce and all_gather")
     method.__name__ = name
     return method
 
@@ -61,16 +67,35 @@ def _one(tensors, collective: str):
 class ProcessGroupRingcomm(dist.ProcessGroup):
     """A torch ProcessGroup whose collectives run on a ringcomm Communicator."""
 
-    def __init__(self, comm: ringcomm.Communicator):
+    def __init__(self, comm: ringcomm.Communicator, store=None):
         super().__init__(comm.rank, comm.world_size)
         self.comm = comm
-        self._worker = Worker(comm.rank)
-        self._seq = 0
         self.reproducible = reproducible_from_env()
+        # torch's store for this group (None for a group made from a Communicator alone): it
+        # carries p2p's any-source announcements, and split_group's groups take a prefix of it.
+        self.store = store
+        # RINGCOMM_ANY_SOURCE=0 (alike on every rank) spares each send its two store calls.
+        announce = store is not None and _flag("RINGCOMM_ANY_SOURCE", True, "recv from any source")
+        self._p2p = P2PBatch(self, TorchStore(dist.PrefixStore("ringcomm-p2p/", store), comm.timeout)
+                             if announce else None)
         _LIVE.add(self)
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    # torch names every group it makes (_set_group_name) and looks groups up by that name:
+    # destroy_process_group(subgroup), functional collectives, DeviceMesh. The C++ getter reads
+    # the name from a registered backend, and a Python ProcessGroup is its own backend, so
+    # without these it raises "ProcessGroup name not set" (multi_threaded_pg keeps its name too).
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError(f"{self!r} has no group name yet: torch names a group once it made it")
+        return name
 
     def __repr__(self):
         return f"<ProcessGroupRingcomm rank {self.comm.rank} of {self.comm.world_size}>"
@@ -81,13 +106,21 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return {"reproducible": True} if on else {}
 
     def _submit(self, name: str, outputs: list, fn) -> Work:
-        self._seq += 1
-        return self._worker.submit(Work(self._worker, name, self._seq, outputs), fn)
+        self._p2p.flush()  # held p2p calls were issued first, so they run first
+        return self._submit_now(name, outputs, fn)
+
+    def _submit_now(self, name: str, outputs: list, fn) -> Work:
+        # fn runs on the communicator's progress thread, where its blocking ringcomm calls run inline.
+        return Work(self.comm._progress.submit(name, fn), outputs)
 
     # ---- reductions -------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        op = ring_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM, "all_reduce")
+        red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:
+            name = getattr(getattr(red, "op", red), "name", str(red))
+            return self._submit("sparse all_reduce", *colls.sparse_all_reduce(self.comm, tensors[0], name))
+        op = ring_op(red, "all_reduce")
         views = [host_view(t, "all_reduce tensor", reduce=True) for t in tensors]
         return self._submit("all_reduce", list(tensors),
                             lambda: [self.comm.all_reduce(v, op, **self._rp(op, v)) for v in views])
@@ -164,40 +197,76 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    # Held, then run together (ringcomm/torch_p2p.py): an irecv may come before its isend.
+    # A tag is taken as given: messages between two ranks match in issue order (see the README).
     def send(self, tensors, dst, tag=0):
-        t = self._p2p_check(tensors, tag, "send")
+        t = _one(tensors, "send")
         v = host_view(t, "send tensor")
-        return self._submit("send", [t], lambda: self.comm.send(v, dst))
+        self._peer(dst, "send")
+        return self._p2p.send(v, dst, [t])
 
     def recv(self, tensors, src, tag=0):
-        t = self._p2p_check(tensors, tag, "recv")
+        t = _one(tensors, "recv")
         v = host_view(t, "recv tensor")
-        return self._submit("recv", [t], lambda: self.comm.recv(v, src))
+        self._peer(src, "recv")
+        return self._p2p.recv(v, src, [t])
 
-    def _p2p_check(self, tensors, tag, what):
-        if tag != 0:
-            raise NotImplementedError(f"{what}: the ringcomm backend has no tags (got tag={tag}); messages "
-                                      f"between two ranks arrive in the order they were sent")
-        return _one(tensors, what)
+    def recv_anysource(self, tensors, tag=0):
+        t = _one(tensors, "recv from any source")
+        if not self._p2p.announced:
+            raise NotImplementedError("recv from any source: this group's sends do not announce themselves "
+                                      "(RINGCOMM_ANY_SOURCE=0, or a group made from a Communicator alone)")
+        return self._p2p.recv(host_view(t, "recv tensor"), None, [t])
+
+    def _peer(self, peer, what):
+        if not 0 <= peer < self.comm.world_size or peer == self.comm.rank:
+            raise ValueError(f"{what}: peer {peer} is not another rank of this group of {self.comm.world_size}")
 
     def barrier(self, opts=None):
         return self._submit("barrier", [], self.comm.barrier)
 
-    recv_anysource = _unsupported("recv from any source")
-    alltoall = _unsupported("all_to_all")
-    alltoall_base = all_to_all_single = _unsupported("all_to_all_single")
-    gather = _unsupported("gather")
-    scatter = _unsupported("scatter")
-    allgather_coalesced = _unsupported("all_gather_coalesced")
-    all_gather_single_coalesced = allgather_into_tensor_coalesced = _unsupported("coalesced all_gather")
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced = _unsupported("coalesced reduce_scatter")
+
+    # ---- block collectives (ringcomm/torch_collectives.py) -----------------------------------
+
+    def gather(self, output_tensors, input_tensors, opts):
+        return self._submit("gather", *colls.gather(self.comm, output_tensors, input_tensors, opts.rootRank))
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        return self._submit("scatter", *colls.scatter(self.comm, output_tensors, input_tensors, opts.rootRank))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        return self._submit("all_to_all_single", *colls.all_to_all_single(
+            self.comm, output, input, output_split_sizes, input_split_sizes))
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        return self._submit("all_to_all", *colls.all_to_all(self.comm, output_tensors, input_tensors))
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        return self._submit("all_gather_coalesced", *colls.all_gather_coalesced(self.comm, output_lists, input_list))
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._submit("all_gather_into_tensor_coalesced",
+                            *colls.all_gather_into_tensor_coalesced(self.comm, outputs, inputs))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    # ---- sub-groups (ringcomm/torch_groups.py) -------------------------------------------------
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+        """Collective over this group: the ranks listing the same ``ranks`` form a new group (one
+        comm.split, no rendezvous); None where ``ranks`` is empty or None."""
+        return torch_groups.split(self, ranks, group_name, group_desc)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Finish the queued calls, then close the Communicator (destroy_process_group calls this)."""
+        """Finish the queued calls, then close the Communicator (destroy_process_group calls this);
+        close() lets the queue drain for up to the timeout, then aborts what is left."""
         _LIVE.discard(self)
-        self._worker.stop(self.comm.timeout + 5.0)
+        self._p2p.flush()
         self.comm.close()
 
     abort = shutdown
@@ -205,10 +274,17 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
 def reproducible_from_env() -> bool:
     """RINGCOMM_REPRODUCIBLE: "1" on, "0" or unset off; anything else is a ValueError naming it."""
-    raw = os.environ.get("RINGCOMM_REPRODUCIBLE", "").strip()
+    return _flag("RINGCOMM_REPRODUCIBLE", False, "reproducible float sums")
+
+
+def _flag(name: str, default: bool, what: str) -> bool:
+    raw = os.environ.get(name, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"RINGCOMM_REPRODUCIBLE={raw!r}: use 1 (reproducible float sums) or 0")
-    return raw == "1"
+        raise ValueError(f"{name}={raw!r}: use 1 ({what}) or 0")
+    return default if raw == "" else raw == "1"
+
+
+torch_cuda.install(ProcessGroupRingcomm)  # CUDA tensors: NCCL's stream semantics (ringcomm/torch_cuda.py)
 
 
 def _create_process_group(store, rank, world_size, timeout):
@@ -218,7 +294,7 @@ def _create_process_group(store, rank, world_size, timeout):
     adapter = TorchStore(store)
     comm = ringcomm.init(rank, world_size, store=adapter, timeout=seconds)
     adapter.timeout = comm.timeout
-    return ProcessGroupRingcomm(comm)
+    return ProcessGroupRingcomm(comm, store)
 
 
 @atexit.register
@@ -227,5 +303,6 @@ def _close_all() -> None:
         pg.shutdown()
 
 
-# "cuda" too, so that a CUDA tensor reaches this backend and gets its clear NotImplementedError.
+# "cuda" too: CUDA tensors run on ringcomm's device path (torch_cuda.py).
+split_group = torch_groups.split_group
 dist.Backend.register_backend(BACKEND, _create_process_group, devices=["cpu", "cuda"])

@@ -1,13 +1,10 @@
-"""The pieces under ringcomm.torch: tensor views, ops, the store adapter, Work and the worker thread.
+"""The pieces under ringcomm.torch: tensor views, ops, the store adapter and Work.
 
 Only ringcomm.torch imports this module (it needs torch, an optional extra).
 """
 from __future__ import annotations
 
-import queue
-import threading
 import time
-import traceback
 from datetime import timedelta
 
 import ml_dtypes
@@ -16,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 import ringcomm
-from .errors import CollectiveTimeout, CommunicatorClosed, RingcommError, StoreError, StoreTimeout
+import ringcomm.work
+from .errors import CollectiveTimeout, StoreError, StoreTimeout
 from .store import Store
 
 # torch dtypes ringcomm's kernels reduce, and their numpy twins. Data movement
@@ -28,7 +26,9 @@ REDUCIBLE = {torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16, torc
 _RED = dist.ReduceOp.RedOpType
 OPS = {_RED.SUM: ringcomm.SUM, _RED.PRODUCT: ringcomm.PROD, _RED.MIN: ringcomm.MIN,
        _RED.MAX: ringcomm.MAX, _RED.AVG: ringcomm.AVG}
-_POLL_S = 0.5  # Work.wait wakes at once when its call ends; between, it checks the worker is alive
+# TorchStore polls a missing key after 1 ms, doubling up to 20 ms: a peer's key is seen within
+# 20 ms of its set, for at most 50 round trips a second to the store per waiting rank.
+_CHECK_FIRST_S, _CHECK_MAX_S = 0.001, 0.02
 
 
 def ring_op(op, collective: str):
@@ -47,7 +47,7 @@ def check_tensor(t, what: str) -> None:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         # ringcomm's GPU path exists, but this backend does not yet carry the caller's CUDA
-        # device and current stream over to its worker thread, which that path's stream rule needs.
+        # device and current stream over to the progress thread, which that path's stream rule needs.
         raise NotImplementedError(f"{what} is on {t.device}: the ringcomm torch backend takes CPU tensors only "
                                   f"for now; move the tensor to the CPU, or give CUDA tensors a group of "
                                   f"their own (dist.new_group(backend='nccl'))")
@@ -95,8 +95,18 @@ class TorchStore(Store):
         return bytes(self._call("get", [key], self._store.get, key))
 
     def _wait(self, keys, timeout):
-        # c10d reads a zero timeout as "wait forever": never pass one.
-        self._call("wait", keys, self._store.wait, keys, timedelta(seconds=max(timeout, 1e-3)))
+        # Polled with check(), never c10d's own wait: ringcomm waits in short pieces (to hear an
+        # abort or the watchdog between them), and on a short timeout c10d's wait misbehaves --
+        # TCPStore logs two "waitForInput ... timed out" warnings per piece, FileStore raises a
+        # plain RuntimeError, and a zero timeout means "forever". check() answers at once.
+        deadline = time.monotonic() + max(timeout, 0.0)
+        pause = _CHECK_FIRST_S
+        while not self._call("wait", keys, self._store.check, keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StoreTimeout(f"torch store wait timed out after {timeout:g} s waiting for {keys!r}")
+            time.sleep(min(pause, left))  # a poll, not a synchronisation: check() decides
+            pause = min(2 * pause, _CHECK_MAX_S)
 
     def _add(self, key, amount):
         return int(self._call("add", [key], self._store.add, key, amount))
@@ -111,58 +121,49 @@ class TorchStore(Store):
             if "timeout" in str(e).lower():
                 raise StoreTimeout(f"torch store {op} timed out waiting for {keys!r}: {e}") from None
             raise StoreError(f"torch store {op} of {keys!r} failed: {e}") from e
-        except RuntimeError as e:
+        except RuntimeError as e:  # FileStore raises plain RuntimeErrors, timeouts included
+            if "timeout" in str(e).lower():
+                raise StoreTimeout(f"torch store {op} timed out waiting for {keys!r}: {e}") from None
             raise StoreError(f"torch store {op} of {keys!r} failed: {e}") from e
 
 
 class Work(dist.Work):
-    """One queued call. wait() returns once the worker ran it (or raises its error);
+    """One queued call of the process group, run by its communicator's progress thread
+    (ringcomm/progress.py) in call order. wait() returns once it ran (or raises its error);
     get_future() completes at the same moment, holding the call's output tensors."""
 
-    def __init__(self, worker: Worker, name: str, seq: int, outputs: list):
+    def __init__(self, inner: ringcomm.work.Work, outputs: list):
         super().__init__()
-        self._worker, self._name, self._seq = worker, name, seq
-        self._outputs = outputs
-        self._done = threading.Event()
-        self._error: BaseException | None = None
+        self._inner, self._outputs = inner, outputs
         self._future = torch.futures.Future()
+        inner.add_done_callback(self._finish)  # on the progress thread, or now if it already ran
 
-    def finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._done.set()
+    def _finish(self, inner) -> None:
         # Runs the future's callbacks (DDP copies the reduced bucket back into the grads).
+        error = inner.exception()
         if error is None:
             self._future.set_result(self._outputs)
         else:
             self._future.set_exception(error)
 
     def wait(self, timeout=timedelta(0)) -> bool:
-        """Block until the call ends. A positive timeout bounds the wait; without one the call's
-        own waits (each with ringcomm's timeout) bound it, and a dead worker is reported."""
+        """Block until the call ends. A positive timeout bounds the wait (CollectiveTimeout, as
+        torch's backends raise); without one the call's own waits (each with ringcomm's timeout)
+        bound it, and a stopped progress thread is reported."""
         limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
-        deadline = time.monotonic() + limit if limit > 0 else None
-        while not self._done.wait(_POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))):
-            if not self._worker.alive():
-                raise RingcommError(f"rank {self._worker.rank} (this process): {self._what()} can never "
-                                    f"finish: the process group's worker thread has stopped")
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CollectiveTimeout(f"rank {self._worker.rank} (this process) timed out after {limit:g} s "
-                                        f"in Work.wait() for {self._what()}")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def _what(self) -> str:
-        return f"{self._name} #{self._seq} of the ringcomm torch backend"
+        if limit > 0 and not self._inner.wait(limit):
+            raise CollectiveTimeout(f"rank {self._inner.rank} (this process) timed out after {limit:g} s "
+                                    f"in Work.wait() for {self._inner} of the ringcomm torch backend")
+        return self._inner.wait()
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._inner.is_completed()
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._inner.is_completed() and self._inner.exception() is None
 
     def exception(self):
-        return self._error
+        return self._inner.exception()
 
     def result(self) -> list:
         self.wait()
@@ -173,49 +174,3 @@ class Work(dist.Work):
 
     def synchronize(self) -> None:
         pass  # CPU tensors: nothing to order against a stream
-
-
-class Worker:
-    """One thread that runs a process group's calls one at a time, in the order they were made:
-    a Communicator is not thread-safe, and every rank must meet its peers in the same order."""
-
-    def __init__(self, rank: int):
-        self.rank = rank
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name=f"ringcomm-torch-rank{rank}", daemon=True)
-        self._thread.start()
-
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
-    def submit(self, work: Work, fn) -> Work:
-        if self._stopped:
-            raise CommunicatorClosed(f"rank {self.rank}: the ringcomm process group is shut down")
-        self._queue.put((work, fn))
-        return work
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()  # idle until the next call: no peer is waited on here
-            if item is None:
-                return
-            work, fn = item
-            try:
-                fn()
-            except Exception as e:  # noqa: BLE001 - the error belongs to the caller, via wait()
-                error = e
-            else:
-                error = None
-            try:
-                work.finish(error)
-            except Exception:  # noqa: BLE001 - a failing future callback must not stop later calls
-                traceback.print_exc()
-
-    def stop(self, timeout: float) -> bool:
-        """Let queued calls finish (each bounded by ringcomm's timeout), then end; True if it ended."""
-        if not self._stopped:
-            self._stopped = True
-            self._queue.put(None)
-        self._thread.join(timeout)
-        return not self._thread.is_alive()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cases import compare, make_input, reference
+from cases import BLOCK_COLLECTIVES, compare, make_input, reference, run_block_case
 
 
 def to_device(x: np.ndarray, kind: str):
@@ -49,6 +49,9 @@ def run_device_case(comm, case: dict, kind: str) -> str | None:
     """cases.run_case with device buffers; None when right, else what went wrong."""
     n, r = comm.world_size, comm.rank
     coll, count, root = case["collective"], case["count"], case["root"]
+    if coll in BLOCK_COLLECTIVES:
+        return run_block_case(comm, {**case, "buffers": kind}, lambda a: to_device(a, kind),
+                              lambda d, dtype: to_host(d, kind, dtype))
     insize = count * n if coll == "reduce_scatter" else count
     inputs = [make_input(case, k, insize) for k in range(n)]
     dt = inputs[r].dtype

@@ -47,7 +47,8 @@ def test_sweep_is_geometric_and_inclusive():
 
 def test_cli_rejects_bad_arguments(capsys):
     for argv in (["all_reduce", "-b", "12Q"], ["broadcast", "-n", "2", "-r", "2"],
-                 ["all_gather", "--algo", "tree"], ["sendrecv", "-n", "1"], ["all_reduce", "-d", "float8"]):
+                 ["all_gather", "--algo", "tree"], ["sendrecv", "-n", "1"], ["all_reduce", "-d", "float8"],
+                 ["all_reduce", "--engine", "fast"]):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
@@ -55,13 +56,15 @@ def test_cli_rejects_bad_arguments(capsys):
     a = parse_args(["reduce", "-d", "float16", "--algo", "all", "-b", "1K", "-e", "4K"])
     assert (a.datatype, a.algos, a.sizes) == ("half", list(ALGOS["reduce"]), [1024, 2048, 4096])
     assert parse_args(["all_reduce", "--algo", "ring,auto"]).algos == ["ring", None]
+    assert parse_args(["all_reduce", "--engine", "python"]).engine == "python"
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("coll, factor", [("all_reduce", 2 * 3 / 4), ("all_gather", 3 / 4),
                                           ("reduce_scatter", 3 / 4), ("broadcast", 1.0),
-                                          ("reduce", 1.0), ("sendrecv", 1.0)])
+                                          ("reduce", 1.0), ("sendrecv", 1.0), ("all_to_all", 3 / 4),
+                                          ("gather", 3 / 4), ("scatter", 3 / 4)])
 def test_busbw_uses_nccl_tests_factors(coll, factor):
     count, send_n, recv_n, size = spec.counts(coll, 4096, 4, 4)
     algbw, busbw = spec.bandwidth(coll, size, 2e-6, 4)
@@ -70,8 +73,12 @@ def test_busbw_uses_nccl_tests_factors(coll, factor):
     assert spec.bandwidth(coll, size, 0.0, 4) == (0.0, 0.0)
     if coll == "all_gather":  # count is per rank; the size column is the gathered output
         assert (count, send_n, recv_n, size) == (256, 256, 1024, 4096)
-    elif coll == "reduce_scatter":
+    elif coll in ("reduce_scatter", "scatter"):
         assert (count, send_n, recv_n, size) == (256, 1024, 256, 4096)
+    elif coll == "all_to_all":  # count is what goes to each peer
+        assert (count, send_n, recv_n, size) == (256, 1024, 1024, 4096)
+    elif coll == "gather":
+        assert (count, send_n, recv_n, size) == (256, 256, 1024, 4096)
     else:
         assert (count, send_n, recv_n, size) == (1024, 1024, 1024, 4096)
 
@@ -79,6 +86,9 @@ def test_busbw_uses_nccl_tests_factors(coll, factor):
 def test_sizes_that_do_not_divide_are_truncated_like_nccl_tests():
     assert spec.counts("all_gather", 100, 4, 3) == (8, 8, 24, 96)
     assert spec.counts("all_reduce", 10, 8, 2) == (1, 1, 1, 8)
+    assert spec.counts("scatter", 100, 1, 3) == (32, 96, 32, 96)   # scatter.cu: whole 16 bytes per rank
+    assert spec.counts("scatter", 100, 8, 3) == (4, 12, 4, 96)
+    assert spec.counts("all_to_all", 100, 4, 3) == (8, 24, 24, 96)
 
 
 # ---- check data ----------------------------------------------------------------------------------
@@ -136,7 +146,10 @@ def _simulate(coll, n, root, ins):
     return {"all_reduce": lambda r: red, "reduce": lambda r: red,
             "reduce_scatter": lambda r: red[r * c:(r + 1) * c],
             "all_gather": lambda r: np.concatenate(ins), "broadcast": lambda r: ins[root],
-            "sendrecv": lambda r: ins[(r - 1) % n]}[coll]
+            "sendrecv": lambda r: ins[(r - 1) % n],
+            "all_to_all": lambda r: np.concatenate([x[r * (c // n):(r + 1) * (c // n)] for x in ins]),
+            "gather": lambda r: np.concatenate(ins),  # what the root gets (only the root is checked)
+            "scatter": lambda r: ins[root][r * (c // n):(r + 1) * (c // n)]}[coll]
 
 
 @pytest.mark.parametrize("coll", spec.COLLECTIVES)
@@ -240,7 +253,7 @@ def _rows(out):
 def test_real_run_prints_the_table_and_one_line_for_a_missing_peer():
     # mpi4py hidden from this process: the peer must be skipped with one line, not a traceback.
     rc, out, err = _run_cli(["all_reduce", "-n", "2", "-b", "1K", "-e", "16K", "-f", "4", "--iters", "2",
-                             "--warmup", "1", "--check", "--peer", "mpi", "--no-progress"],
+                             "--warmup", "1", "--check", "--peer", "mpi", "--no-progress", "--engine", "python"],
                             prelude="sys.modules['mpi4py'] = None; ")
     assert rc == 0, err
     assert "Traceback" not in err
@@ -253,6 +266,7 @@ def test_real_run_prints_the_table_and_one_line_for_a_missing_peer():
         assert len(r) == 13 and r[2:5] == ["float", "sum", "-1"] and r[8] == "0" and r[12] == "0"
     assert "# Out of bounds values : 0 OK" in out.splitlines()
     assert any(l.startswith("# Avg bus bandwidth    : ") for l in out.splitlines())
+    assert "#  ringcomm engine: python" in out.splitlines()
 
 
 @pytest.mark.timeout(120)
@@ -274,3 +288,19 @@ def test_registered_buffers_run_the_read_algorithm_and_check_out():
     assert "# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); peers' plain numpy" in out
     rows = _rows(out)
     assert len(rows) == 6 and all(r[8] == "0" and r[12] == "0" for r in rows), out
+
+
+def test_all_to_all_has_no_in_place_row():
+    """nccl-tests leaves its in-place alltoall unchecked; ringcomm refuses overlapping buffers, so the
+    worker never runs it and the table says N/A there, out of the average."""
+    class Three:
+        world_size, rank = 3, 0
+    bufs = (np.zeros(64, np.float32),) * 3
+    ev = worker.measure(Three(), {"root": 0, "op": "sum"}, None, bufs, "all_to_all", 96, True)
+    assert ev == {"size": 96, "count": 8, "in_place": True, "rank_seconds": [0.0] * 3, "rank_wrong": None,
+                  "skipped": "all_to_all has no in-place form"}
+    oop = _event(96, 8, [1e-5] * 3, [0] * 3, False)
+    row = report.make_row("all_to_all", 3, "float", "sum", 0, oop, ev)
+    line = report.row_line(row)
+    assert line.split()[-4:] == ["N/A"] * 4 and row["root"] == -1 and row["redop"] == "none"
+    assert report.avg_busbw([row]) == row["oop"]["busbw"]

@@ -108,9 +108,12 @@ def links(kind, transports):
     return t0, t1, s01, r01, s10, r10
 
 
-def host(x) -> np.ndarray:
-    """A received slice as a numpy copy (cuda_ipc's slots are device arrays)."""
-    return x.copy_to_host() if hasattr(x, "copy_to_host") else np.array(x)
+def received(conn, got) -> np.ndarray:
+    """What wait() handed over, as a numpy copy. cuda_ipc's wait() returns the payload's size and
+    its bytes are the device view typed() gives, as the executor's device path reads them."""
+    if hasattr(conn, "typed"):
+        return conn.typed(np.dtype(np.uint8), got.size).copy_to_host()
+    return np.array(got)
 
 
 def send(conn, data: np.ndarray, deadline: float) -> None:
@@ -120,7 +123,7 @@ def send(conn, data: np.ndarray, deadline: float) -> None:
 
 
 def recv(conn, deadline: float) -> np.ndarray:
-    data = host(conn.wait(deadline))
+    data = received(conn, conn.wait(deadline))
     conn.release()
     return data
 
@@ -143,7 +146,7 @@ def test_both_directions_at_once_many_slices(kind, transports, size):
     def rank(me, out, inp):
         for i, n in enumerate(sizes):
             send(out, pattern(me, i, n), soon(kind, 30))
-            got = host(inp.wait(soon(kind, 30)))
+            got = received(inp, inp.wait(soon(kind, 30)))
             assert got.size == n and np.array_equal(got, pattern(1 - me, i, n)), f"slice {i}"
             inp.release()
 

@@ -45,7 +45,15 @@ FORMULAS = {  # (collective, algo): (which p, cost(p, n, a, b, g))
     ("all_gather", "bruck"): ("all", lambda p, n, a, b, g: clg(p) * a + F(p - 1, p) * n * b),
     ("broadcast", "binomial"): ("all", lambda p, n, a, b, g: clg(p) * (a + n * b)),
     ("reduce", "binomial"): ("all", lambda p, n, a, b, g: clg(p) * (a + n * b + n * g)),
+    # all_to_all: n is what each rank sends (p blocks of n/p)
+    ("all_to_all", "pairwise"): ("all", lambda p, n, a, b, g: (p - 1) * (a + n / p * b)),
+    ("all_to_all", "bruck"): ("pof2", lambda p, n, a, b, g: clg(p) * a + n / 2 * lg(p) * b),
+    ("gather", "binomial"): ("all", lambda p, n, a, b, g: clg(p) * a + F(p - 1, p) * n * b),
+    ("scatter", "binomial"): ("all", lambda p, n, a, b, g: clg(p) * a + F(p - 1, p) * n * b),
+    ("gather", "linear"): ("all", lambda p, n, a, b, g: (p - 1) * a + F(p - 1, p) * n * b),
+    ("scatter", "linear"): ("all", lambda p, n, a, b, g: (p - 1) * a + F(p - 1, p) * n * b),
 }
+ROOTED = ("broadcast", "reduce", "gather", "scatter")
 
 
 def rabenseifner_any_p(p, n, a, b, g):
@@ -59,7 +67,7 @@ def test_paper_closed_forms_exactly(key):
     which, formula = FORMULAS[key]
     sizes = [2, 4, 8, 16, 32] if which == "pof2" else list(range(2, 13)) + [16, 17]
     for p in sizes:
-        for root in ((0, p - 1) if key[0] in ("broadcast", "reduce") else (None,)):
+        for root in ((0, p - 1) if key[0] in ROOTED else (None,)):
             got = ringcomm.cost(*key, p, N, ALPHA, BETA, GAMMA, root=root)
             assert got == formula(p, N, ALPHA, BETA, GAMMA), (key, p, root)
 
@@ -76,10 +84,18 @@ def test_floats_agree_to_1e12_and_critical_path_never_exceeds_rounds():
         (coll, algo), (which, formula) = rnd.choice(sorted(FORMULAS.items()))
         p = rnd.choice([2, 4, 8, 16]) if which == "pof2" else rnd.randint(2, 12)
         a, b, g, n = rnd.uniform(1e-6, 1e-4), rnd.uniform(1e-11, 1e-9), rnd.uniform(1e-12, 1e-10), rnd.randint(1, 1 << 26)
-        root = 0 if coll in ("broadcast", "reduce") else None
+        root = 0 if coll in ROOTED else None
         got = ringcomm.cost(coll, algo, p, n, a, b, g, root=root)
         assert math.isclose(got, float(formula(p, F(n), F(a), F(b), F(g))), rel_tol=1e-12)
         assert ringcomm.cost(coll, algo, p, n, a, b, g, root=root, model="critical_path") <= got * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("p", [3, 5, 6, 7, 9, 12, 13])
+def test_bruck_all_to_all_any_p(p):
+    """Stage k carries the blocks whose distance j (1 <= j < p) has bit k set: p/2 of them for a
+    power of two (the paper's n/2 a stage), their exact number otherwise."""
+    blocks = sum(bin(j).count("1") for j in range(p))
+    assert ringcomm.cost("all_to_all", "bruck", p, N, ALPHA, BETA, GAMMA) == clg(p) * ALPHA + blocks * N / p * BETA
 
 
 def test_critical_path_lets_an_idle_leaf_send_early():
@@ -140,6 +156,10 @@ def test_automatic_choice_uses_the_model_and_says_why(monkeypatch, capsys):
     assert err.count("ringcomm INFO: all_reduce on 8 ranks, 513..1024 B: chose tree") == 1
     assert "chose ring" in err and "ring " in err and " us" in err
     assert model.choose("all_reduce", 100, 1000) == "tree"      # beyond the model's reach: the old rule
+    assert model.choose("all_to_all", 8, 4096) == "bruck"        # 3 messages instead of 7
+    assert model.choose("all_to_all", 8, 4 << 20) == "pairwise"  # each block once, not lg p / 2 times
+    assert model.choose("all_to_all", 3, 64) == "pairwise"       # 2 stages either way: a tie
+    assert model.choose("gather", 8, 4096) == "binomial" and model.choose("scatter", 2, 4096) == "linear"
     with ringcomm.init(0, 1) as comm:                           # a collective call goes through it
         comm.all_reduce(__import__("numpy").ones(300, "float32"))
     assert "all_reduce on 1 ranks, 1025..2048 B: chose ring" in capsys.readouterr().err

@@ -21,6 +21,9 @@ from ringcomm.schedule.simulate import ScheduleError, check
 from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync
 from ringcomm.schedule.verify import verify_schedules
 
+# The collectives with a one-copy algorithm (all_to_all, gather and scatter have none).
+READ_COLLECTIVES = tuple(c for c in COLLECTIVES if "read" in catalogue.ALGOS[c])
+
 # ---- the schedules, symbolically ----------------------------------------------------------------
 
 
@@ -109,7 +112,7 @@ BIG = 200_003  # a few 256 KiB pieces per chunk: the reduction loop and its scra
 
 def _cases(n):
     cases, i = [], 0
-    for coll in COLLECTIVES:
+    for coll in READ_COLLECTIVES:
         for dtype in DTYPES[::3] + ("float32",):
             op = OPS[i % len(OPS)] if dtype != "float32" else "sum"
             count = (0, 1, 7, 1000)[i % 4] if dtype != "float32" else (BIG if coll == "all_reduce" else 1001)

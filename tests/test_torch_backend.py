@@ -249,21 +249,198 @@ def check_errors(rank, n):
         _raises(NotImplementedError, r"on meta.*CPU tensors only", dist.all_reduce, torch.ones(4, device="meta")),
         _raises(ValueError, r"not contiguous", dist.all_reduce, torch.ones(4, 4).t()),
         _raises(TypeError, r"dtypes differ", dist.all_gather_single, torch.zeros(n * 2), torch.ones(2, dtype=torch.int32)),
-        _raises(NotImplementedError, r"gather", dist.gather, t, [torch.zeros(8) for _ in range(n)] if rank == 0 else None),
-        _raises(NotImplementedError, r"all_to_all", dist.all_to_all_single, torch.zeros(8 * n), torch.ones(8 * n)),
-        _raises(NotImplementedError, r"no tags", dist.isend, t, (rank + 1) % n, tag=3),
-        _raises(NotImplementedError, r"any source", dist.irecv, t),
+        _raises(ValueError, r"split sizes \[1\]", dist.all_to_all_single, torch.zeros(n), torch.ones(n), None, [1]),
+        _raises(ValueError, r"not another rank", dist.isend, t, rank),
+        _raises(NotImplementedError, r"sums sparse tensors only", dist.all_reduce,
+                torch.eye(2).to_sparse(), op=RED.MAX),
     ]
     dist.all_reduce(t)  # errors are raised before anything is queued: the group still works
     assert torch.equal(t, torch.full((8,), float(n)))
     return msgs
 
 
+def check_coalesced_and_sparse(rank, n):
+    outs = [[torch.zeros(2, 3), torch.zeros(0), torch.zeros(5)] for _ in range(n)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        dist.all_gather_coalesced(outs, [_data(rank, (2, 3), torch.float32), torch.zeros(0),
+                                         _data(rank, (5,), torch.float32) * 10])
+    for q in range(n):
+        assert torch.equal(outs[q][0], _data(q, (2, 3), torch.float32)) and outs[q][1].numel() == 0
+        assert torch.equal(outs[q][2], _data(q, (5,), torch.float32) * 10)
+    pairs = [(torch.zeros(n * 4, dtype=torch.int64), _data(rank, (4,), torch.int64)),
+             (torch.zeros(n * 3, dtype=torch.bfloat16), _data(rank, (3,), torch.bfloat16))]
+    pg = dist.group.WORLD
+    pg.allgather_into_tensor_coalesced([o for o, _ in pairs], [i for _, i in pairs]).wait()
+    for (o, i), m in zip(pairs, (4, 3)):
+        assert torch.equal(o, torch.cat([_data(q, (m,), i.dtype) for q in range(n)]))
+    # Sparse COO SUM: rank r holds r + 1 at index r and 1 at index 7 (shared by all), 2-d values.
+    idx = torch.tensor([[rank, 7]])
+    s = torch.sparse_coo_tensor(idx, torch.tensor([[rank + 1.0, 0.5], [1.0, 1.0]]), (9, 2))
+    dist.all_reduce(s)
+    want = torch.zeros(9, 2)
+    for q in range(n):
+        want[q] = torch.tensor([q + 1.0, 0.5])
+    want[7] = n
+    assert s.is_sparse and s.is_coalesced() and torch.equal(s.to_dense(), want)
+
+
+def check_p2p_irecv_before_isend(rank, n, size):
+    """Every rank posts its irecv from rank - 1 before its isend to rank + 1 (pipeline order),
+    then a tagged exchange and batch_isend_irecv, with a collective issued while p2p is held."""
+    nxt, prev = (rank + 1) % n, (rank - 1) % n
+    got = torch.zeros(size)
+    works = [dist.irecv(got, prev, tag=5), dist.isend(_data(rank, (size,), torch.float32), nxt, tag=5)]
+    total = torch.ones(3)
+    dist.all_reduce(total)  # runs after the held p2p calls, which it starts
+    for w in works:
+        assert w.wait() and w.is_completed()
+    assert torch.equal(got, _data(prev, (size,), torch.float32)) and torch.equal(total, torch.full((3,), float(n)))
+    a, b = torch.zeros(size), torch.zeros(7, dtype=torch.int32)
+    ops = [dist.P2POp(dist.irecv, a, prev), dist.P2POp(dist.irecv, b, prev),
+           dist.P2POp(dist.isend, _data(rank, (size,), torch.float32) * 2, nxt),
+           dist.P2POp(dist.isend, _data(rank, (7,), torch.int32), nxt)]
+    futures = [w.get_future() for w in dist.batch_isend_irecv(ops)]
+    for f in futures:
+        f.wait()
+    assert torch.equal(a, _data(prev, (size,), torch.float32) * 2) and torch.equal(b, _data(prev, (7,), torch.int32))
+
+
+def check_recv_from_any_source(rank, n):
+    """Rank 0 takes two messages from every other rank without naming the source (recv and
+    irecv alternating), with one directed recv from rank n - 1 in between; the others send."""
+    if rank != 0:
+        for k in range(2 if rank != n - 1 else 3):
+            dist.send(torch.full((4,), 10.0 * rank + k), 0)
+        return None
+    seen = {q: [] for q in range(1, n)}
+    for i in range(2 * (n - 1)):
+        t = torch.zeros(4)
+        if i % 2:
+            w = dist.irecv(t)
+            assert w.wait()
+            src = w._source_rank()
+        else:
+            src = dist.recv(t)
+        seen[src].append(t[0].item())
+        if i == 0:
+            last = torch.zeros(4)
+            dist.recv(last, n - 1)  # a directed recv takes rank n - 1's next message in order
+            seen[n - 1].append(last[0].item())
+    assert all(sorted(v) == v for v in seen.values()), seen  # each source's messages in send order
+    return {q: len(v) for q, v in seen.items()}
+
+
+def check_group_name(rank, n):
+    """torch names the group and finds it by name: functional collectives, destroy(subgroup)."""
+    import torch.distributed._functional_collectives as fc
+    pg = dist.group.WORLD
+    assert isinstance(pg.group_name, str) and pg.group_name
+    sub = dist.new_group(list(range(n)))
+    assert sub.group_name != pg.group_name
+    t = fc.all_reduce(_data(rank, (6,), torch.float32), "sum", sub)
+    assert torch.equal(t, _expected(n, (6,), torch.float32, RED.SUM))
+    dist.destroy_process_group(sub)
+    return pg.group_name
+
+
+def check_split_group(rank, n):
+    """Even and odd ranks split into two groups (one comm.split of the world); each reduces and
+    broadcasts on its own, then is destroyed by name, and the world goes on."""
+    import ringcomm.torch as rt
+    evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
+    sub = rt.split_group([evens, odds])
+    mine = evens if rank % 2 == 0 else odds
+    assert dist.get_process_group_ranks(sub) == mine and sub.rank() == mine.index(rank)
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t, group=sub)
+    assert torch.equal(t, torch.full((5,), float(sum(q + 1 for q in mine))))
+    b = torch.full((2,), float(rank))
+    dist.broadcast(b, src=mine[-1], group=sub)  # a global rank: torch maps it through the registration
+    assert torch.equal(b, torch.full((2,), float(mine[-1])))
+    dist.destroy_process_group(sub)
+    with pytest.raises(ValueError, match="distinct ranks"):
+        rt.split_group([[0], [0]])
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert t.item() == n
+
+
+HAS_BLOCKS = all(hasattr(__import__("ringcomm").Communicator, m) for m in ("all_to_all", "gather", "scatter"))
+NEEDS_BLOCKS = pytest.mark.skipif(not HAS_BLOCKS, reason="needs issue 13's comm.all_to_all / gather / scatter "
+                                                         "(branch i13-coll), which this checkout lacks")
+HAS_GROUPS = hasattr(__import__("ringcomm").Communicator, "group")
+
+
+def check_block_collectives(rank, n):
+    for root in (0, n - 1):
+        outs = [torch.zeros(2, 2, dtype=torch.bfloat16) for _ in range(n)] if rank == root else None
+        dist.gather(_data(rank, (2, 2), torch.bfloat16), outs, dst=root)
+        if rank == root:
+            assert all(torch.equal(outs[q], _data(q, (2, 2), torch.bfloat16)) for q in range(n))
+        got = torch.zeros(3, dtype=torch.complex64)
+        ins = [_data(q, (3,), torch.complex64) + root for q in range(n)] if rank == root else None
+        dist.scatter(got, ins, src=root)
+        assert torch.equal(got, _data(rank, (3,), torch.complex64) + root)
+    # Equal blocks: block j of rank r holds 100 r + j.
+    x = torch.tensor([100.0 * rank + j for j in range(n) for _ in range(2)])
+    y = torch.zeros(2 * n)
+    dist.all_to_all_single(y, x)
+    assert torch.equal(y, torch.tensor([100.0 * i + rank for i in range(n) for _ in range(2)]))
+    # Split sizes (rows of dim 0): rank r sends r + j + 1 rows to rank j; rows of 3 int64s.
+    send = [rank + j + 1 for j in range(n)]
+    recv = [i + rank + 1 for i in range(n)]
+    x = torch.cat([torch.full((c, 3), 10 * rank + j) for j, c in enumerate(send)])
+    y = torch.zeros(sum(recv), 3, dtype=torch.int64)
+    dist.all_to_all_single(y, x, recv, send)
+    assert torch.equal(y, torch.cat([torch.full((c, 3), 10 * i + rank) for i, c in enumerate(recv)]))
+    # The list form: tensors of any sizes; rank r sends j + 1 values to rank j.
+    outs = [torch.zeros(rank + 1) for _ in range(n)]
+    dist.all_to_all(outs, [torch.full((j + 1,), float(rank)) for j in range(n)])
+    assert all(torch.equal(outs[i], torch.full((rank + 1,), float(i))) for i in range(n))
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", [check_all_reduce, check_all_gather, check_reduce_scatter,
-                                   check_broadcast_and_reduce, check_send_recv], ids=lambda f: f.__name__[6:])
+                                   check_broadcast_and_reduce, check_send_recv, check_coalesced_and_sparse],
+                         ids=lambda f: f.__name__[6:])
 def test_collective(world, check):
     world.run(check)
+
+
+@pytest.mark.timeout(120)
+@NEEDS_BLOCKS
+def test_gather_scatter_all_to_all(world):
+    world.run(check_block_collectives)
+
+
+@pytest.mark.timeout(120)
+def test_irecv_posted_before_isend_does_not_deadlock(world):
+    world.run(check_p2p_irecv_before_isend, 10)  # fits the FIFO: held calls run, sends first
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not HAS_GROUPS, reason="messages larger than the FIFO both ways need comm.group() "
+                                           "(issue 13, branch i13-async), which this checkout lacks")
+def test_irecv_before_isend_larger_than_the_fifo(world):
+    world.run(check_p2p_irecv_before_isend, 100_000)  # 400 KB each way, the FIFO is 64 KiB
+
+
+@pytest.mark.timeout(120)
+def test_recv_from_any_source(world):
+    counts = world.run(check_recv_from_any_source)[0]
+    assert counts == {q: 3 if q == world.n - 1 else 2 for q in range(1, world.n)}
+
+
+@pytest.mark.timeout(120)
+def test_split_group_on_comm_split(world):
+    world.run(check_split_group)
+
+
+@pytest.mark.timeout(120)
+def test_group_name_is_set(world):
+    names = world.run(check_group_name)
+    assert len(set(names)) == 1
 
 
 @pytest.mark.timeout(120)
@@ -380,3 +557,101 @@ def test_ddp_trains_the_same_on_ringcomm_and_gloo(tmp_path):
     diff = max((ring[k] - gloo[k]).abs().max().item() for k in ring)
     scale = max(v.abs().max().item() for v in gloo.values())
     assert diff <= 1e-6 * scale, f"largest parameter difference {diff}"
+
+
+# ---- rendezvous: a late rank, over file:// and over torch's TCPStore ------------------------------
+
+LATE_RANK = """
+import os, sys, time, torch, torch.distributed as dist, ringcomm.torch
+rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+dist.init_process_group("ringcomm", init_method=sys.argv[1], rank=rank, world_size=n)
+if rank == 1:
+    time.sleep(2.0)  # the scenario, not a synchronisation: rank 0 waits 2 s for rank 1's first call
+t = torch.ones(4)
+dist.all_reduce(t)
+print("sum", t.tolist())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("init", ["file", "env"])
+def test_a_late_rank_is_waited_for_quietly(tmp_path, init):
+    """Rank 0 waits 2 s in its first call, for a peer's store key: FileStore's short waits are not
+    failures, and torch's TCPStore prints no waitForInput warnings meanwhile."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_RANK)
+    method = f"file://{tmp_path / 'rendezvous'}" if init == "file" else "env://"
+    r = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", str(script), method],
+                       env=_launch_env(), capture_output=True, text=True, timeout=140, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("sum [2.0, 2.0, 2.0, 2.0]") == 2, r.stdout
+    assert "waitForInput" not in r.stdout + r.stderr
+
+
+# ---- DeviceMesh, DTensor and FSDP2 on ringcomm ------------------------------------------------------
+
+FSDP2 = """
+import torch, torch.distributed as dist, ringcomm.torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_tensor, Shard, Replicate
+from torch.distributed.fsdp import fully_shard
+dist.init_process_group("ringcomm")
+rank, n = dist.get_rank(), dist.get_world_size()
+mesh = init_device_mesh("cpu", (n,), mesh_dim_names=("dp",))
+full = torch.arange(4 * n * 3, dtype=torch.float32).reshape(4 * n, 3)
+d = distribute_tensor(full, mesh, [Shard(0)])
+assert torch.equal(d.to_local(), full.chunk(n)[rank])
+assert torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), full)
+assert torch.equal((d * 2).full_tensor(), full * 2)
+torch.manual_seed(0)
+def net():
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+model, ref = net(), net()
+ref.load_state_dict(model.state_dict())
+for layer in (model[0], model[2], model):
+    fully_shard(layer, mesh=mesh)
+opt, ropt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(1)
+for step in range(2):
+    x = torch.randn(n, 4, 8, generator=g)  # every rank draws the whole global batch alike
+    opt.zero_grad(); model(x[rank]).sum().backward(); opt.step()
+    ropt.zero_grad(); (sum(ref(x[q]).sum() for q in range(n)) / n).backward(); ropt.step()
+for (k, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+    torch.testing.assert_close(p.full_tensor(), q, msg=k)
+print("fsdp2 matches", rank)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(200)
+@NEEDS_BLOCKS
+def test_device_mesh_dtensor_and_two_fsdp2_steps(tmp_path):
+    """DTensor shards with scatter, replicates with all_gather; FSDP2's two steps (all_gather,
+    reduce_scatter) match one process training on the whole batch."""
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2)
+    r = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", str(script)],
+                       env=_launch_env(), capture_output=True, text=True, timeout=190, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert r.stdout.count("fsdp2 matches") == 2, r.stdout
+
+
+def test_cuda_tensors_are_routed_to_the_device_path_and_cpu_tensors_stay(monkeypatch):
+    """ringcomm/torch_cuda.py's wiring, without a GPU: a call with a CUDA tensor goes to the CUDA variant
+    (tests/gpu/test_gpu_torch.py checks what that does on a GPU), one with CPU tensors to the host one."""
+    from ringcomm import torch_cuda
+    calls = []
+    monkeypatch.setattr(torch_cuda, "ROUTED", {name: (lambda self, *a, _n=name, **k: calls.append(("cuda", _n)))
+                                               for name in torch_cuda.ROUTED})
+    group = type("Group", (), {name: (lambda self, *a, _n=name, **k: calls.append(("host", _n)))
+                               for name in torch_cuda.ROUTED})
+    torch_cuda.install(group)
+
+    class CudaLooking(torch.Tensor):
+        is_cuda = True
+    g = group()
+    g.allreduce([torch.ones(2)])
+    g.allreduce([torch.ones(2).as_subclass(CudaLooking)])
+    g.allgather([[torch.ones(2)]], [torch.ones(2).as_subclass(CudaLooking)])
+    assert calls == [("host", "allreduce"), ("cuda", "allreduce"), ("cuda", "allgather")], calls

@@ -17,6 +17,7 @@ import pytest
 import jobs
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts.py")
+DEVICE_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts_device.py")
 SHRINK = os.path.join(os.path.dirname(__file__), "scripts", "shrink_two_hosts.py")
 SUBNET = "10.250.{}.{}"  # addresses live only on this test's own veth pair
 
@@ -50,30 +51,19 @@ def two_hosts():
             _ip("netns", "delete", ns, check=False)
 
 
+DEVICE = {"NUMBA_ENABLE_CUDASIM": "1", "RINGCOMM_CUDA_BUFFSIZE": "4096", "RINGCOMM_NSLOTS": "4"}
+
+
 @pytest.mark.netns
 @pytest.mark.timeout(120)
-def test_two_hosts_over_veth(two_hosts):
-    (ns_a, dev_a, addr_a), (ns_b, _, _) = two_hosts
-    token = secrets.token_hex(8)
-    procs = []
-    for node, ns in enumerate((ns_a, ns_b)):
-        env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_TIMEOUT="30",
-                   RINGCOMM_JOB_ID=f"veth{node}{token[:6]}", RINGCOMM_BUFFSIZE="65536")
-        if node == 0:
-            env["RINGCOMM_SOCKET_IFNAME"] = dev_a  # one side by interface name, the other by route
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "2", "--nnodes", "2",
-               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29517", "--grace", "5", SCRIPT]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=90)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    text = "\n".join(outs)
+@pytest.mark.parametrize("buffers", ["host", "device"])
+def test_two_hosts_over_veth(two_hosts, buffers):
+    """Host buffers, and device buffers under numba's CUDA simulator (staged over tcp between the hosts)."""
+    (_, dev_a, _), _ = two_hosts
+    script = SCRIPT if buffers == "host" else DEVICE_SCRIPT
+    # One side finds its interface by name, the other by the route to the store.
+    procs, text = _two_node_job(two_hosts, script, "veth", "29517", "5", RINGCOMM_TIMEOUT="30",
+                                **(DEVICE if buffers == "device" else {}), _first={"RINGCOMM_SOCKET_IFNAME": dev_a})
     assert [p.returncode for p in procs] == [0, 0], text
     assert text.count("OK") == 4, text
 
@@ -107,14 +97,26 @@ def test_cut_link_between_hosts(two_hosts, tmp_path):
 def test_shrink_across_hosts_after_rank_0_died(two_hosts):
     """Rank 0 (the store's host, on host A) is SIGKILLed: rank 1 beside it and ranks 2, 3 on host B
     shrink to three ranks and all_reduce."""
-    (ns_a, dev_a, addr_a), (ns_b, _, _) = two_hosts
+    procs, text = _two_node_job(two_hosts, SHRINK, "shr", "29519", "60", RINGCOMM_TIMEOUT="10")
+    assert "rank 0 failed first (killed by SIGKILL)" in text, text
+    assert procs[1].returncode == 0, text
+    for r in (1, 2, 3):
+        line = re.search(rf"\[rank {r}\] rank {r}: shrink took [\d.]+ s, now rank {r - 1} of 3 OK", text)
+        assert line, text
+        print(line.group(0))
+
+
+def _two_node_job(two_hosts, script, tag, port, grace, _first=None, **env_extra):
+    """``ringcomm-run -n 2`` of ``script`` on each of the two hosts (node 0 in host A, whose address
+    is the store's), 64 KiB FIFOs; waits up to 90 s and kills what is left. (procs, their output)."""
+    (ns_a, _, addr_a), (ns_b, _, _) = two_hosts
     token = secrets.token_hex(8)
     procs = []
     for node, ns in enumerate((ns_a, ns_b)):
-        env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_TIMEOUT="10",
-                   RINGCOMM_JOB_ID=f"shr{node}{token[:6]}", RINGCOMM_BUFFSIZE="65536")
+        env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_JOB_ID=f"{tag}{node}{token[:6]}",
+                   RINGCOMM_BUFFSIZE="65536", **env_extra, **((_first or {}) if node == 0 else {}))
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "2", "--nnodes", "2",
-               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", "29519", "--grace", "60", SHRINK]
+               "--node-rank", str(node), "--master-addr", addr_a, "--master-port", port, "--grace", grace, script]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
     try:
@@ -125,10 +127,4 @@ def test_shrink_across_hosts_after_rank_0_died(two_hosts):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    text = "\n".join(outs)
-    assert "rank 0 failed first (killed by SIGKILL)" in text, text
-    assert procs[1].returncode == 0, text
-    for r in (1, 2, 3):
-        line = re.search(rf"\[rank {r}\] rank {r}: shrink took [\d.]+ s, now rank {r - 1} of 3 OK", text)
-        assert line, text
-        print(line.group(0))
+    return procs, "\n".join(outs)

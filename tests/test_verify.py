@@ -19,7 +19,7 @@ BUILTIN = sorted((c, a) for c, algos in catalogue.ALGOS.items() for a in algos
 @pytest.mark.parametrize("collective,algo", BUILTIN)
 def test_every_builtin_algorithm_verifies_at_1_to_9(collective, algo):
     for n in range(1, 10):
-        for root in ((0, n - 1) if collective in ("broadcast", "reduce") else (None,)):
+        for root in ((0, n - 1) if collective in catalogue.ROOTED else (None,)):
             rep = ringcomm.verify(collective, algo, n, 1000, root=root)
             assert rep.ok, rep.summary()
             assert set(rep.deadlocks) == set(FIFOS)

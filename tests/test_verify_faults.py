@@ -25,7 +25,7 @@ from ringcomm.schedule.step import (BLOCK, OWN, SPLIT, Schedule, Step, copy, cop
 from ringcomm.schedule.verify import FIFOS, NOT_CHECKED, fifo_shapes, verify_schedules
 
 SIZES = (2, 3, 4, 5, 7)
-ROOTED = ("broadcast", "reduce")
+ROOTED = catalogue.ROOTED
 
 
 def build(collective, algo, n, root=None):
@@ -469,8 +469,19 @@ def _run_builtins_in_place(comm, count):
     n, r, wrong = comm.world_size, comm.rank, []
     inputs = [np.arange(count * n, dtype=np.float64) * (q + 1) + q for q in range(n)]
     for collective, algos in catalogue.ALGOS.items():
+        if collective == "all_to_all":
+            continue  # no in-place form: out may not overlap buf
         for algo in (a for a in algos if a not in PLANTED and a not in catalogue.REGISTERED_ONLY):
-            if collective == "all_reduce":
+            if collective == "gather":  # in place on the root: buf is out's block root
+                x = np.zeros(count * n)
+                x[r * count:(r + 1) * count] = inputs[r][:count]
+                comm.gather(x[r * count:(r + 1) * count], x if r == 1 else None, root=1, algo=algo)
+                want = np.concatenate([i[:count] for i in inputs]) if r == 1 else x
+            elif collective == "scatter":  # in place on the root: out is buf's block root
+                x = inputs[r].copy() if r == 0 else np.zeros(count)
+                comm.scatter(x if r == 0 else None, x[:count], root=0, algo=algo)
+                x, want = x[:count], inputs[0][r * count:(r + 1) * count]
+            elif collective == "all_reduce":
                 x = inputs[r][:count].copy()
                 comm.all_reduce(x, algo=algo)
                 want = sum(i[:count] for i in inputs)

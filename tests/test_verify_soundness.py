@@ -94,12 +94,16 @@ def execute(collective, scheds, root, form, count, rng):
     """Run the schedules on the real executor; None when every rank is right, else what is wrong."""
     n = len(scheds)
     fifos = {(a, b): _Fifo(b, a) for a in range(n) for b in range(n) if a != b}
-    size = count * n if collective == "reduce_scatter" else count
+    size = count * n if collective in ("reduce_scatter", "all_to_all") else count
+    if collective == "scatter":
+        size = count * n
     inputs = [rng.integers(-1000, 1000, size).astype(np.float64) for _ in range(n)]
     bufs, results, errors = {}, {}, []
     for r in range(n):
         x = inputs[r].copy()
-        if collective == "all_gather":
+        if collective in ("gather", "scatter", "all_to_all"):
+            inp, out = _block_buffers(collective, x, r, root, n, count, form)
+        elif collective == "all_gather":
             out = np.zeros(n * count)
             inp = out[r * count:(r + 1) * count] if form == IN_PLACE else x
             inp[...] = inputs[r]
@@ -128,13 +132,38 @@ def execute(collective, scheds, root, form, count, rng):
         want = _expected(collective, inputs, r, root, count)
         if collective == "reduce" and r != root:  # in place its buffer is its input, untouched
             want = inputs[r] if form == IN_PLACE else None
+        if collective == "gather" and r != root:  # no result: its out is not the API's
+            want = None
         if want is not None and not np.array_equal(results[r], want):
             return f"{form}: rank {r} got {results[r][:8]} want {want[:8]}"
     return None
 
 
+def _block_buffers(collective, x, r, root, n, count, form):
+    """(inp, out) of all_to_all, gather, scatter; in place only on the root, as the API allows.
+    A rank without the root's buffer gets a stand-in its steps never touch, as comm.py passes."""
+    if collective == "all_to_all":
+        return x, np.zeros(n * count)
+    if collective == "gather":
+        out = np.zeros(n * count)
+        if form == IN_PLACE and r == root:
+            out[r * count:(r + 1) * count] = x
+            return out[r * count:(r + 1) * count], out
+        return x, out
+    if r != root:
+        out = np.zeros(count)
+        return out, out
+    return x, (x[r * count:(r + 1) * count] if form == IN_PLACE else np.zeros(count))
+
+
 def _expected(collective, inputs, r, root, count):
     n = len(inputs)
+    if collective == "all_to_all":
+        return np.concatenate([x[r * count:(r + 1) * count] for x in inputs])
+    if collective == "gather":
+        return np.concatenate(inputs)
+    if collective == "scatter":
+        return inputs[root][r * count:(r + 1) * count]
     if collective in ("all_reduce", "reduce"):
         return sum(inputs) / n
     if collective == "reduce_scatter":

@@ -33,6 +33,18 @@ def test_frames_group_a_stage_into_one_message():
     assert [len(fr[s]["msgs"][0][2]) for s in range(6)] == [4, 2, 1, 1, 2, 4]  # chunks per message
 
 
+def test_frames_of_bruck_all_to_all_and_binomial_gather():
+    """Bruck on 4 ranks: stage k sends r + 2^k the blocks (s, d) whose distance has bit k set,
+    including one that arrived in stage 0; binomial gather: one message per edge, subtrees whole."""
+    fr = viz.frames("all_to_all", "bruck", 4)
+    assert [f["stage"] for f in fr] == [0, 1]
+    assert fr[0]["msgs"][0] == (0, 1, [1, 3], [0])          # blocks 0->1, 0->3: distances 1 and 3
+    assert fr[1]["msgs"][0] == (0, 2, [2, 14], [0, 3])      # 0->2, and 3->2 forwarded from rank 3
+    fr = viz.frames("gather", "binomial", 5, 1)
+    assert [[(a, b, c) for a, b, c, _ in f["msgs"]] for f in fr] == [
+        [(2, 1, [2]), (4, 3, [4])], [(3, 1, [3, 4])], [(0, 1, [0])]]
+
+
 def test_svg_and_html_are_well_formed(tmp_path):
     out = tmp_path / "tree.svg"
     assert viz.main(["broadcast", "--algo", "binomial", "-n", "5", "--root", "2", "--out", str(out)]) == 0

@@ -138,6 +138,16 @@ class SendConnection:
         """Hand the acquired slot, holding ``nbytes`` of payload, to the receiver."""
         raise NotImplementedError
 
+    def ready(self) -> bool:
+        """True when acquire() would return (or raise) at once. The probe lets comm.group() run
+        several calls without blocking on one; a transport without one says True, and a group
+        then blocks on its acquire() as a single call would."""
+        return True
+
+    def check(self) -> None:
+        """Raise PeerGone if the peer is known to have died or closed the link: what a blocking
+        wait looks for at each patrol, for callers that poll ready() instead."""
+
     def close(self) -> None:
         pass
 
@@ -154,6 +164,13 @@ class RecvConnection:
     def release(self) -> None:
         """Give the slot returned by the last wait() back to the sender."""
         raise NotImplementedError
+
+    def ready(self) -> bool:
+        """True when wait() would return (or raise) at once (see SendConnection.ready)."""
+        return True
+
+    def check(self) -> None:
+        """See SendConnection.check."""
 
     def close(self) -> None:
         pass

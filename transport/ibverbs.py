@@ -144,6 +144,14 @@ class _Link:
                     watchdog()
                 next_patrol = now + LIVENESS_PERIOD
 
+    def check(self) -> None:
+        """A patrol of _wait for callers that poll ready(): probe the peer; a dead one fails the probe,
+        and the next ready() says True so that acquire() / wait() raise."""
+        self.dev.poll(self.cq)
+        if self._can_probe() and not self.probing and self.inflight < self.depth - 1:
+            self.probing = True
+            self._probe()
+
     def _settle(self, ready, seconds: float) -> None:
         """Best effort, for close(): poll until ready() or the time is up; never raises."""
         try:
@@ -229,6 +237,12 @@ class IbSend(_Link, SendConnection):
         self.held = True
         i = self.posted % self.nslots
         return self.slots.array[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+
+    def ready(self) -> bool:
+        if self.remote is None or self.closed:
+            return True  # acquire() connects (the peer has published: prepare() ran on both) or raises
+        self.dev.poll(self.cq)
+        return self._free()
 
     def post(self, nbytes: int) -> None:
         if self.error is not None:
@@ -335,6 +349,14 @@ class IbRecv(_Link, RecvConnection):
             self._raise()
         raise PeerGone(f"rank {self.peer} closed its end of the {NAME} link to rank {self.ctx.rank}: it "
                        f"exited or closed its communicator", peer=self.peer, transport=NAME)
+
+    def ready(self) -> bool:
+        if self.closed:
+            return True  # wait() raises
+        self.dev.poll(self.cq)
+        if self.credit_dirty and self.inflight < self.depth - 1:
+            self._send_credit()
+        return bool(self.full or self.peer_closed or self.error is not None)
 
     def release(self) -> None:
         if self.held is None:

@@ -66,6 +66,11 @@ def track(path: str) -> None:
     _NAMED.add(path)
 
 
+def untrack(path: str) -> None:
+    """Forget a name track() recorded whose file was never made."""
+    _NAMED.discard(path)
+
+
 def unlink_tracked(path: str) -> None:
     """Unlink a tracked name now (peers that mapped the segment keep it)."""
     if path in _NAMED:
@@ -104,15 +109,21 @@ class _Segment:
         self.path = "/dev/shm/" + name
         size = HDR + nslots * slot_bytes
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        if create:  # named before it exists: a SIGTERM right after the open still finds it
+            _NAMED.add(self.path)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except OSError:
+            _NAMED.discard(self.path)
+            raise
         try:
             if create:
-                _NAMED.add(self.path)
                 os.ftruncate(fd, size)
             self.map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         buf = np.frombuffer(self.map, dtype=np.uint8)
+        self.base = buf.ctypes.data  # for compiled code, which reads the words and slots by address
         self.words = buf[:HDR].view(np.int64)
         self.slots = [buf[HDR + i * slot_bytes: HDR + (i + 1) * slot_bytes] for i in range(nslots)]
         if create:
@@ -176,8 +187,17 @@ class _Link:
                           peer=self.peer, transport=self.transport)
         return words
 
+    def addresses(self) -> tuple[int, int]:
+        """(header words, slot 0) as addresses: slot i starts at slot 0 + i * slot_bytes. For a
+        compiled loop that follows this protocol itself (ringcomm's native engine); it must keep
+        the ``count`` of this end (posted or released) and write it back before calling wait or
+        acquire again. Writing ``count`` also ends the hold of a slot that wait() or acquire()
+        returned to the loop: the loop released or posted it itself."""
+        self._words()  # a closed link has no addresses: compiled code must not write there
+        return self.seg.base, self.seg.base + HDR
+
     def _check_peer(self, what: str) -> None:
-        words = self.seg.words
+        words = self._words()
         if words[self._peer_closed_word]:
             raise PeerGone(f"rank {self.peer} closed its end of the link while this rank waited for {what} it",
                            peer=self.peer, transport=self.transport)
@@ -195,18 +215,44 @@ class ShmSend(_Link, SendConnection):
         self.unlinked = False
         self.held = False  # a slot acquired and not yet posted
 
+    @property
+    def count(self) -> int:
+        return self.posted
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.posted = value
+        self.held = False  # a compiled loop posted the slot that acquire() gave it
+
+    def settle(self) -> bool:
+        """Unlink the segment's name once the receiver has mapped it; whether that is done (after
+        close() it is: close unlinks it)."""
+        words = self.seg.words
+        if words is None:
+            return True
+        if not self.unlinked and words[RECEIVER_PID]:
+            self.seg.unlink()  # both ends are mapped: the name is no longer needed
+            self.unlinked = True
+        return self.unlinked
+
     def acquire(self, deadline: float) -> np.ndarray:
         words = self._words()
         if self.held:
             raise RuntimeError("acquire() called again before post()")
-        if not self.unlinked and words[RECEIVER_PID]:
-            self.seg.unlink()  # both ends are mapped: the name is no longer needed
-            self.unlinked = True
+        if not self.unlinked:
+            self.settle()
         limit = self.posted - self.nslots
         if words[RELEASED] <= limit:
             self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from")
         self.held = True
         return self.seg.slots[self.posted % self.nslots]
+
+    def ready(self) -> bool:
+        words = self.seg.words  # closed by this process: acquire() raises at once
+        return words is None or words[RELEASED] > self.posted - self.nslots
+
+    def check(self) -> None:
+        self._check_peer("a free slot from")
 
     def post(self, nbytes: int) -> None:
         words = self._words()
@@ -233,6 +279,15 @@ class ShmRecv(_Link, RecvConnection):
         self.released = 0
         self.held = False  # a slot returned by wait() and not yet released
 
+    @property
+    def count(self) -> int:
+        return self.released
+
+    @count.setter
+    def count(self, value: int) -> None:
+        self.released = value
+        self.held = False  # a compiled loop released the slot that wait() gave it
+
     def wait(self, deadline: float) -> np.ndarray:
         words = self._words()
         if self.held:
@@ -244,12 +299,20 @@ class ShmRecv(_Link, RecvConnection):
         self.held = True
         return self.seg.slots[i][: int(words[SIZES + i])]
 
+    def ready(self) -> bool:
+        words = self.seg.words  # closed by this process: wait() raises at once
+        return words is None or words[POSTED] > self.released
+
+    def check(self) -> None:
+        self._check_peer("the next slice from")
+
     def release(self) -> None:
+        words = self._words()
         if not self.held:
             raise RuntimeError("release() without a slot from wait()")
         self.held = False
         self.released += 1
-        self.seg.words[RELEASED] = self.released
+        words[RELEASED] = self.released
 
     def close(self) -> None:
         if self.seg.words is not None:

@@ -147,6 +147,9 @@ class TcpSendConnection(_Link, SendConnection):
             self._held = self._free.popleft()
             return self._slots[self._held]
 
+    def ready(self) -> bool:
+        return bool(self._free) or self._error is not None  # a lock-free peek: only we take slots
+
     def post(self, nbytes: int) -> None:
         with self._cv:
             if self._error is not None:
@@ -201,6 +204,9 @@ class TcpRecvConnection(_Link, RecvConnection):
                 self._held, n = self._full.popleft()
                 return self._slots[self._held, :n]
             self._raise()
+
+    def ready(self) -> bool:
+        return bool(self._full) or self._error is not None  # a lock-free peek: only we take data
 
     def release(self) -> None:
         with self._cv:

@@ -108,6 +108,14 @@ class RingcommBackend(Backend):
             return (lambda: c.reduce(inp, root, op, out=None if in_place else out, algo=a)), out
         if collective == "sendrecv":
             return self._ring_shift(c.send, c.recv, inp, out), out
+        if collective == "all_to_all":
+            return (lambda: c.all_to_all(inp, out, algo=a)), out
+        if collective == "gather":  # only the root passes out
+            dst = out if self.rank == root else None
+            return (lambda: c.gather(inp, dst, root, algo=a)), out
+        if collective == "scatter":  # only the root passes buf
+            src = inp if self.rank == root else None
+            return (lambda: c.scatter(src, out, root, algo=a)), out
         raise ValueError(f"unknown collective {collective!r}")
 
     def alloc(self, count, dtype):
@@ -126,7 +134,7 @@ class RingcommBackend(Backend):
         import ringcomm
         peers = {str(p): self.comm.transport_to(p) for p in range(self.world_size) if p != self.rank}
         return {"library": f"ringcomm {ringcomm.__version__}", "ringcomm": ringcomm.__version__,
-                "transports_from_rank0": peers,
+                "transports_from_rank0": peers, "engine": self.comm._executor.engine,
                 "env": {k: v for k, v in os.environ.items() if k.startswith("RINGCOMM_")
                         and k not in ("RINGCOMM_TOKEN",)}}
 

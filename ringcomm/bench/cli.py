@@ -1,8 +1,8 @@
 """`ringcomm-bench`: nccl-tests' all_reduce_perf and friends for ringcomm, with peers side by side.
 
     ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
-                   --warmup W --check [--algo A] [--transport T] [--registered] [--json FILE] [--plot FILE.png]
-                   [--peer gloo|mpi|nccl]... [--reproducible]
+                   --warmup W --check [--algo A] [--transport T] [--engine python|native] [--registered]
+                   [--json FILE] [--plot FILE.png] [--peer gloo|mpi|nccl]... [--reproducible]
 
 It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one job after the
 other), and prints one table whose rows gain each peer's out-of-place time, busbw and the ratio
@@ -40,12 +40,14 @@ def parse_args(argv):
     p.add_argument("-d", "--datatype", default="float", help="int8 uint8 int32 uint32 int64 uint64 half "
                    "float double bfloat16 (numpy names too); default float")
     p.add_argument("-o", "--op", default="sum", choices=spec.OPS)
-    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast / reduce")
+    p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast, reduce, gather, scatter")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     p.add_argument("--check", action="store_true", help="verify every result (#wrong)")
     p.add_argument("--algo", default=None, help="ringcomm algorithm: ring, tree, auto, a comma list or all")
     p.add_argument("--transport", choices=("shm", "tcp"), default=None, help="force ringcomm's transport")
+    p.add_argument("--engine", choices=("native", "python"), default=None,
+                   help="ringcomm's engine over shm (RINGCOMM_ENGINE; default native)")
     p.add_argument("--registered", action="store_true",
                    help="ringcomm's buffers from comm.alloc (peers map them: one-copy 'read' algorithms); "
                         "peers keep plain buffers")
@@ -100,7 +102,7 @@ def run_job(backend, a, algos, progress):
            "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
            "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
            "registered": a.registered and backend == "ringcomm",
-           "reproducible": a.reproducible}
+           "engine": a.engine, "reproducible": a.reproducible}
     job = Job(backend, a.ranks, cfg)
     facts, pending, rows, ok = {}, {}, {}, False
     try:
@@ -138,6 +140,8 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
     links = mine["facts"].get("transports_from_rank0")
     if links:
         lines.append("#  rank 0 reaches " + ", ".join(f"rank {p} over {t}" for p, t in links.items()))
+    if mine["facts"].get("engine"):
+        lines.append(f"#  ringcomm engine: {mine['facts']['engine']}")
     lines.append("# Machine: %s cores (%s usable), Python %s, numpy %s, load average at start %s" % (
         facts["cores"], facts["cores_usable"], facts["python"], facts["numpy"],
         "n/a" if facts["loadavg_at_start"] is None else "%.2f" % facts["loadavg_at_start"][0]))
@@ -230,7 +234,7 @@ def _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows):
     doc = {"command": ["ringcomm-bench"] + list(sys.argv[1:] if argv is None else argv),
            "config": {k: getattr(a, k) for k in ("collective", "ranks", "minbytes", "maxbytes", "stepfactor",
                                                   "datatype", "op", "root", "iters", "warmup", "check",
-                                                  "algos", "transport", "registered", "sizes")},
+                                                  "algos", "transport", "engine", "registered", "sizes")},
            "machine": facts, "memcpy_gbps": memcpy, "ringcomm": mine, "peers": peers, "skipped": skipped,
            "summary": {"out_of_bounds": report.out_of_bounds(rows), "avg_busbw": report.avg_busbw(rows)}}
     with open(a.json, "w") as f:

@@ -78,6 +78,8 @@ def _commands(backend: str, n: int, cfg: dict) -> tuple[list[list[str]], list[di
                RINGCOMM_JOB_ID=cfg["job_id"])
     if cfg.get("transport"):
         job["RINGCOMM_TRANSPORT"] = cfg["transport"]
+    if cfg.get("engine"):
+        job["RINGCOMM_ENGINE"] = cfg["engine"]
     job.setdefault("RINGCOMM_TIMEOUT", os.environ.get("RINGCOMM_TIMEOUT", str(cfg["timeout"])))
     envs = [dict(base, **job, RANK=str(r), LOCAL_RANK=str(r)) for r in range(n)]
     return [worker] * n, envs

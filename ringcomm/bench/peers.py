@@ -100,6 +100,15 @@ class TorchBackend(Backend):
             return (lambda: (to.copy_(ti), dist.reduce(to, dst=root, op=red))), out
         if collective == "sendrecv":
             return self._ring_shift(lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p), ti, to), out
+        n, mine = self.world_size, self.rank == root
+        if collective == "all_to_all":
+            return (lambda: dist.all_to_all_single(to, ti)), out
+        if collective == "gather":  # torch takes the root's output as a list: views of one buffer
+            blocks = list(to.chunk(n)) if mine else None
+            return (lambda: dist.gather(ti, gather_list=blocks, dst=root)), out
+        if collective == "scatter":
+            blocks = list(ti.chunk(n)) if mine else None
+            return (lambda: dist.scatter(to, scatter_list=blocks, src=root)), out
         raise ValueError(f"unknown collective {collective!r}")
 
     def barrier(self):
@@ -164,6 +173,14 @@ class MpiBackend(Backend):
             return (lambda: c.Reduce(src, dst, red, root)), out
         if collective == "sendrecv":
             return self._ring_shift(lambda b, p: c.Send(b, p), lambda b, p: c.Recv(b, p), inp, out), out
+        if collective == "all_to_all":
+            return (lambda: c.Alltoall(inp, out)), out
+        if collective == "gather":
+            src = IN_PLACE if in_place and me == root else inp
+            return (lambda: c.Gather(src, out if me == root else None, root)), out
+        if collective == "scatter":
+            dst = IN_PLACE if in_place and me == root else out
+            return (lambda: c.Scatter(inp if me == root else None, dst, root)), out
         raise ValueError(f"unknown collective {collective!r}")
 
     def barrier(self):

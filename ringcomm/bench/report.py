@@ -21,7 +21,7 @@ def placement(coll: str, n: int, size: int, ev: dict) -> dict:
     algbw, busbw = spec.bandwidth(coll, size, seconds, n)
     wrong = ev["rank_wrong"]
     return {"seconds": seconds, "rank_seconds": ev["rank_seconds"], "algbw": algbw, "busbw": busbw,
-            "wrong": None if wrong is None else sum(wrong), "rank_wrong": wrong}
+            "wrong": None if wrong is None else sum(wrong), "rank_wrong": wrong, "skipped": ev.get("skipped")}
 
 
 def make_row(coll: str, n: int, dtype: str, op: str, root: int, oop: dict, ip: dict) -> dict:
@@ -70,6 +70,9 @@ def row_line(row: dict, peer_rows=()) -> str:
                                            "%6i" % row["root"])
     for key in ("oop", "ip"):
         p = row[key]
+        if p.get("skipped"):  # never run (all_to_all in place)
+            line += "  %7s  %6s  %6s  %5s" % ("N/A", "N/A", "N/A", "N/A")
+            continue
         line += "  %7s  %6.2f  %6.2f  %5s" % (fmt_time(p["seconds"] * 1e6), p["algbw"], p["busbw"],
                                             _wrong(p["wrong"]))
     for pr in peer_rows:
@@ -88,7 +91,7 @@ def out_of_bounds(rows) -> int:
 
 
 def avg_busbw(rows) -> float:
-    vals = [r[k]["busbw"] for r in rows for k in ("oop", "ip")]
+    vals = [r[k]["busbw"] for r in rows for k in ("oop", "ip") if not r[k].get("skipped")]
     return sum(vals) / len(vals) if vals else 0.0
 
 

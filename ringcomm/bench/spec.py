@@ -13,9 +13,12 @@ import re
 
 import numpy as np
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv", "all_to_all",
+               "gather", "scatter")
 REDUCING = {"all_reduce", "reduce_scatter", "reduce"}
-ROOTED = {"broadcast", "reduce"}
+ROOTED = {"broadcast", "reduce", "gather", "scatter"}
+# No in-place form: nccl-tests does not check its in-place alltoall, ringcomm refuses it.
+NEVER_IN_PLACE = {"all_to_all"}
 OPS = ("sum", "prod", "min", "max", "avg")
 
 # nccl-tests' type names (the `type` column), and the names people also type.
@@ -81,6 +84,16 @@ def counts(collective: str, size: int, itemsize: int, n: int) -> tuple[int, int,
     if collective == "reduce_scatter":
         count = total // n
         return count, count * n, count, count * n * itemsize
+    if collective == "all_to_all":  # alltoall.cu: count/nranks to each peer
+        count = total // n
+        return count, count * n, count * n, count * n * itemsize
+    if collective == "gather":      # gather.cu: each rank's count/nranks; the root's whole
+        count = total // n
+        return count, count, count * n, count * n * itemsize
+    if collective == "scatter":     # scatter.cu: count/nranks, rounded down to whole 16 bytes
+        step = max(1, 16 // itemsize)
+        count = total // n // step * step
+        return count, count * n, count, count * n * itemsize
     if collective in COLLECTIVES:
         return total, total, total, total * itemsize
     raise ValueError(f"unknown collective {collective!r}: use one of {', '.join(COLLECTIVES)}")
@@ -90,7 +103,7 @@ def bus_factor(collective: str, n: int) -> float:
     """busbw / algbw: the share of the data each rank's link carries (nccl-tests' getBw)."""
     if collective == "all_reduce":
         return 2 * (n - 1) / n
-    if collective in ("all_gather", "reduce_scatter"):
+    if collective in ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter"):
         return (n - 1) / n
     if collective in ("broadcast", "reduce", "sendrecv"):
         return 1.0

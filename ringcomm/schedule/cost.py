@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from . import peer_read
 from .simulate import _check_pairing, _validate
-from .step import Schedule
+from .step import TO, Schedule
 
 
 @dataclass
@@ -59,7 +59,10 @@ class Messages:
 def messages(scheds: list[Schedule], nbytes) -> Messages:
     _validate(scheds)
     _check_pairing(scheds)
-    chunk = nbytes / scheds[0].nchunks
+    # nbytes is the paper's n: the buffer of nchunks chunks, except all_to_all's n * n chunks,
+    # where n is what each rank sends (n blocks of nbytes / n).
+    s0 = scheds[0]
+    chunk = nbytes / (s0.world_size if s0.in_layout == TO else s0.nchunks)
     for s in scheds:
         if s.stages and (len(s.stages) != len(s.steps) or any(
                 isinstance(st, tuple) and len(st) != len(step.dst) for st, step in zip(s.stages, s.steps))):

@@ -24,10 +24,12 @@ contributions); ``stage=`` on copy/reduce groups sends into one message for the 
 """
 from __future__ import annotations
 
-from .step import BLOCK, KINDS, OWN, SPLIT, Schedule, Step
+from .step import BLOCK, FROM, KINDS, OWN, SPLIT, TO, Schedule, Step
 
 LAYOUTS = {"all_reduce": (SPLIT, SPLIT), "broadcast": (SPLIT, SPLIT), "reduce": (SPLIT, SPLIT),
-           "reduce_scatter": (BLOCK, OWN), "all_gather": (OWN, BLOCK)}
+           "reduce_scatter": (BLOCK, OWN), "all_gather": (OWN, BLOCK), "gather": (OWN, BLOCK),
+           "scatter": (BLOCK, OWN), "all_to_all": (TO, FROM)}
+# all_to_all's chunk s * n + d is the block rank s sends rank d: n * n chunks, rank s owns s * n .. s * n + n-1
 
 
 class ProgramError(ValueError):
@@ -117,7 +119,9 @@ class Program:
             raise ValueError(f"Program: collective must be one of {sorted(LAYOUTS)}, got {collective!r}")
         if not isinstance(n, int) or n < 1 or not isinstance(nchunks, int) or nchunks < 1:
             raise ValueError(f"Program: need n >= 1 and nchunks >= 1, got n={n!r} nchunks={nchunks!r}")
-        if LAYOUTS[collective][0] != SPLIT and nchunks != n:
+        if collective == "all_to_all" and nchunks != n * n:
+            raise ValueError(f"all_to_all has a chunk per (source, destination): nchunks must be {n * n}")
+        if LAYOUTS[collective][0] not in (SPLIT, TO) and nchunks != n:
             raise ValueError(f"{collective} has one chunk per rank (block r is rank r's): nchunks must be {n}")
         self.collective, self.n, self.nchunks, self.name = collective, n, nchunks, name
         self.values: list[Value] = []
@@ -132,6 +136,9 @@ class Program:
             raise ProgramError(f"chunk {index!r} out of range: the program has {self.nchunks} chunks")
         if LAYOUTS[self.collective][0] == OWN and index != rank:
             raise ProgramError(f"{self.collective}: rank {rank} owns only its block, chunk {rank}")
+        if LAYOUTS[self.collective][0] == TO and index // self.n != rank:
+            raise ProgramError(f"all_to_all: rank {rank} owns chunks {rank * self.n} .. {rank * self.n + self.n - 1} "
+                               f"(the blocks it sends), not {index}")
         return self._adopt(Value(self, rank, index))
 
     def _tick(self) -> int:

@@ -12,15 +12,11 @@ BLOCK side where the other side is OWN (all_gather's ``buf`` is ``out``'s block 
 reduce_scatter's ``out`` is ``buf``'s block r; gather and scatter at the root likewise).
 
 Adding a collective is one SPECS entry: its expected outputs, whether it reduces, whether it
-has a root, and its forms; the simulator and the verifier read nothing else (in-place aliasing
-comes from the layouts). For example, with rank q's input block c named (q, c):
-
-    "all_to_all": Spec(lambda n, k, r, root: [(c, ((c, r),)) for c in range(k)]),      # BLOCK/BLOCK
-    "gather":  Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)] if r == root else [],
-                    rooted=True),                                                       # OWN/BLOCK
-    "scatter": Spec(lambda n, k, r, root: [(r % k, ((root, r),))], rooted=True),        # BLOCK/OWN
-
-and ``forms=(OUT_OF_PLACE,)`` for one whose API has no in-place form.
+has a root, and its forms (``forms=(OUT_OF_PLACE,)`` for one whose API has no in-place form);
+the simulator and the verifier read nothing else (in-place aliasing comes from the layouts).
+all_to_all, gather and scatter were added that way. all_to_all names the block rank s sends rank
+d chunk ``s * n + d`` (the TO / FROM layouts of step.py), so rank r's input block for d is the
+contribution ``(r, r * n + d)`` and rank d's output cell ``s * n + d`` must hold ``(s, s * n + d)``.
 """
 from __future__ import annotations
 
@@ -29,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from .faults import CLOBBER, MISPLACED, MISSING, POST_OP, TWICE, Failure
-from .step import BLOCK, OWN, SPLIT, Schedule
+from .step import BLOCK, FROM, OWN, SPLIT, TO, Schedule
 from .values import Result, Sym
 
 OUT_OF_PLACE, IN_PLACE = "out of place", "in place"
@@ -59,6 +55,13 @@ SPECS: dict[str, Spec] = {
                       forms=(IN_PLACE,)),
     # no data: every rank must hear (even indirectly) from every other (simulate.check)
     "barrier": Spec(lambda n, k, r, root: [], forms=()),
+    # chunk s * n + d: rank s's input block for d, as it was; out may not overlap buf
+    "all_to_all": Spec(lambda n, k, r, root: [(s * n + r, ((s, s * n + r),)) for s in range(n)],
+                       forms=(OUT_OF_PLACE,)),
+    # in place on the root: gather's buf is out's block root, scatter's out is buf's block root
+    "gather": Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)] if r == root else [],
+                   rooted=True),
+    "scatter": Spec(lambda n, k, r, root: [(r % k, ((root, r),))], rooted=True),
 }
 
 
@@ -70,13 +73,23 @@ def spec(collective: str) -> Spec:
 
 
 def input_name(s: Schedule, chunk: int) -> int:
-    """The chunk index in the name of the input a step of chunk ``chunk`` reads."""
-    return s.rank if s.in_layout == OWN else chunk
+    """The chunk index in the name of the input a step of chunk ``chunk`` reads. Under TO the
+    memory is block ``chunk % n``, this rank's block for that destination: chunk r * n + d."""
+    if s.in_layout == OWN:
+        return s.rank
+    if s.in_layout == TO:
+        return s.rank * s.world_size + chunk % s.world_size
+    return chunk
 
 
 def output_cell(s: Schedule, chunk: int) -> int:
-    """The output cell a copying step of chunk ``chunk`` writes."""
-    return s.rank % s.nchunks if s.out_layout == OWN else chunk
+    """The output cell a copying step of chunk ``chunk`` writes. Under FROM the memory is block
+    ``chunk // n``, where the block from that source lands: cell s * n + r."""
+    if s.out_layout == OWN:
+        return s.rank % s.nchunks
+    if s.out_layout == FROM:
+        return chunk // s.world_size * s.world_size + s.rank
+    return chunk
 
 
 def aliases(s: Schedule) -> dict[int, int]:

@@ -21,15 +21,25 @@ and FIFOs of a few slots never deadlock (NCCL's loop over ``loopSize``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import isqrt
 
 # Layouts map (chunk, round range [a, b)) to a range of a buffer of the
 # collective's "range count" m:
 #   SPLIT: the buffer has m elements; chunk c is the c-th of nchunks even parts of [a, b)
 #   BLOCK: the buffer has nchunks * m elements; chunk c is c * m + [a, b)
 #   OWN:   the buffer has m elements; every chunk is [a, b) (only this rank's chunk is used)
-SPLIT, BLOCK, OWN = "split", "block", "own"
+# all_to_all names the block going from rank s to rank d chunk s * n + d (n * n chunks), so
+# both ends of a message agree on its index; the buffers have n blocks of m elements:
+#   TO:    chunk s * n + d is block d (the sender's input: one block per destination)
+#   FROM:  chunk s * n + d is block s (the receiver's output: one block per source)
+# With packed variable blocks (all_to_all's counts) a call passes ``blocks``: (offset, length)
+# of each of the n blocks; a round [a, b) then covers [a, b) of every block, clipped to its
+# length, so a block shorter than a is empty in that round (both of its ends see the same).
+SPLIT, BLOCK, OWN, TO, FROM = "split", "block", "own", "to", "from"
 
-def chunk_span(layout: str, nchunks: int, c: int, a: int, b: int, m: int) -> tuple[int, int]:
+
+def chunk_span(layout: str, nchunks: int, c: int, a: int, b: int, m: int,
+               blocks: tuple | None = None) -> tuple[int, int]:
     """(offset, length) of chunk c of the round [a, b) in a buffer of this layout: the cut the
     executor makes and the verifier replays."""
     if layout == SPLIT:
@@ -40,6 +50,13 @@ def chunk_span(layout: str, nchunks: int, c: int, a: int, b: int, m: int) -> tup
         return c * m + a, b - a
     if layout == OWN:
         return a, b - a
+    if layout in (TO, FROM):
+        n = isqrt(nchunks)
+        j = c % n if layout == TO else c // n
+        if blocks is None:
+            return j * m + a, b - a
+        off, length = blocks[j]
+        return off + min(a, length), max(0, min(b, length) - a)
     raise ValueError(f"unknown layout {layout!r}")
 
 
@@ -208,10 +225,10 @@ class Schedule:
         dsts = {p for s in self.steps for p in s.dst}
         return srcs, dsts
 
-    @property
-    def registered(self) -> bool:
-        """Whether it reads peers' registered buffers (comm.alloc) rather than using FIFOs."""
-        return any(s.remote for s in self.steps)
+    def __post_init__(self):
+        # ``registered``: whether it reads peers' registered buffers (comm.alloc) rather than using
+        # FIFOs. Known once here: the executor asks on every call.
+        object.__setattr__(self, "registered", any(s.remote for s in self.steps))
 
     def __str__(self) -> str:
         head = (f"{self.collective}/{self.algo} rank {self.rank} of {self.world_size}: "

@@ -5,9 +5,11 @@ cupy device-to-device copy of the same size.
 
 Sizes follow nccl-tests: the bytes of the larger buffer (all_gather's output, reduce_scatter's input), float32.
 A time is the slowest rank's mean over the timed iterations, host loop included, from a barrier to the
-caller's stream having finished; algbw = size / time, busbw = algbw x (2(n-1)/n for all_reduce, (n-1)/n for
-all_gather and reduce_scatter, 1 for broadcast). The copy moves ``size`` bytes once: its GB/s is the most any
-of them can reach on one GPU. Prints a table; exits 0 with a note where there is no GPU.
+caller's stream having finished; algbw = size / time, busbw = algbw x (2(n-1)/n for all_reduce, (n-1)/n
+for all_gather and reduce_scatter, 1 for broadcast). The copy moves ``size`` bytes once: its GB/s is the
+most any of them can reach on one GPU. host us/slice: the host's time to queue a call (it never waits for
+the GPU) over the call's slices; against time / slices it says whether the host or the GPU sets the pace.
+Prints a table; exits 0 with a note where there is no GPU.
 """
 from __future__ import annotations
 
@@ -70,8 +72,10 @@ def rank_bench(comm, sizes) -> list:
                 t0 = time.perf_counter()
                 for _ in range(timed):
                     _call(comm, coll, x, out)
+                host = time.perf_counter() - t0             # the host's own time: it never waits for the GPU
                 stream.synchronize()
-                results.append((coll, size, (time.perf_counter() - t0) / timed))
+                slices = len(next(reversed(comm._device.executor._plans.values()))[1])
+                results.append((coll, size, (time.perf_counter() - t0) / timed, host / timed / slices * 1e6))
                 del big, part, x, out
                 cupy.get_default_memory_pool().free_all_blocks()
     return results
@@ -115,18 +119,19 @@ def main(argv=None) -> int:
     ceiling = {s: copy_ceiling(s) for s in sizes}
     rows = []
     print(f"{'ranks':>5} {'collective':<15}{'size':>10}{'time ms':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}"
-          f"{'copy GB/s':>11}", flush=True)
+          f"{'copy GB/s':>11}{'host us/slice':>14}", flush=True)
     for n in args.ranks:
         with World(n, {}, timeout=300) as w:
             per_rank = w.run(rank_bench, sizes, timeout=600)
-        for i, (coll, size, _) in enumerate(per_rank[0]):
+        for i, (coll, size, _, _) in enumerate(per_rank[0]):
             t = max(res[i][2] for res in per_rank)             # the slowest rank sets the pace
             algbw = size / t / 1e9
+            host_us = max(res[i][3] for res in per_rank)
             row = dict(ranks=n, collective=coll, bytes=size, seconds=t, algbw_GBps=algbw,
-                       busbw_GBps=algbw * BUS[coll](n), copy_GBps=ceiling[size])
+                       busbw_GBps=algbw * BUS[coll](n), copy_GBps=ceiling[size], host_us_per_slice=host_us)
             rows.append(row)
             print(f"{n:>5} {coll:<15}{size:>10}{t * 1e3:>11.3f}{algbw:>12.1f}{row['busbw_GBps']:>12.1f}"
-                  f"{ceiling[size]:>11.1f}", flush=True)
+                  f"{ceiling[size]:>11.1f}{host_us:>14.1f}", flush=True)
     if args.out:
         json.dump({"rows": rows, "note": "ranks share GPU 0; copy = cupy device-to-device memcpy"},
                   open(args.out, "w"), indent=1)

@@ -54,3 +54,65 @@ def wrong_device(comm) -> str | None:
     except ValueError as e:
         return None if "one communicator, one GPU" in str(e) else f"unclear message: {e}"
     return "a buffer on another GPU was accepted"
+
+
+def _delay(stream_ptr: int, ns: int) -> None:
+    """Queue a kernel that sleeps ``ns`` on the GPU (one thread, nanosleep) on a raw stream."""
+    import cupy
+    from numba import cuda
+
+    @cuda.jit
+    def spin(ns, out):
+        if cuda.grid(1) == 0:
+            t = 0
+            while t < ns:
+                cuda.nanosleep(1_000_000)
+                t += 1_000_000
+            out[0] = 1
+    spin[1, 1, cuda.external_stream(stream_ptr)](ns, cuda.as_cuda_array(cupy.zeros(1, cupy.int32)))
+
+
+def lag(comm, count: int, lag_rank: int) -> dict:
+    """C1: one rank's caller stream busy for 500 ms before the call; a small FIFO reused hundreds of times.
+    The host call must return before the GPU is done (on the lagging rank), and the result be bit-exact."""
+    import time
+
+    import cupy
+    n, r = comm.world_size, comm.rank
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.arange(count, dtype=cupy.float32) % 1024 + r       # exact in float32, summed
+        if r == lag_rank:
+            _delay(s.ptr, 500_000_000)
+        t0 = time.perf_counter()
+        comm.all_reduce(x)
+        host_s = time.perf_counter() - t0
+        busy_at_return = not s.done
+    s.synchronize()
+    want = (cupy.arange(count, dtype=cupy.float32) % 1024) * n + n * (n - 1) / 2
+    bad = int((x != want).sum())
+    slices = len(next(reversed(comm._device.executor._plans.values()))[1])
+    return {"rank": r, "host_s": host_s, "busy_at_return": busy_at_return, "wrong": bad, "slices": slices}
+
+
+def loop_until_error(comm, seconds: float, die_after: int | None) -> dict:
+    """C4: all_reduce in a loop; with ``die_after`` this rank exits abruptly after that many calls."""
+    import os
+    import time
+
+    import cupy
+    from ringcomm.errors import RingcommError
+    x = cupy.ones(1 << 20, cupy.float32)
+    t0, k = time.monotonic(), 0
+    while time.monotonic() - t0 < seconds:
+        if die_after is not None and k == die_after:
+            os._exit(1)
+        try:
+            comm.all_reduce(x)
+        except RingcommError as e:
+            t1 = time.monotonic()
+            comm.close()
+            return {"error": f"{type(e).__name__}: {e}"[:300], "after_last_ok_s": t1 - t0,
+                    "close_s": time.monotonic() - t1, "calls": k}
+        k += 1
+    return {"error": None, "calls": k}

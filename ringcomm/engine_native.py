@@ -1,0 +1,320 @@
+"""The native engine: the executor's slice loop compiled by numba, for calls whose links are all shm.
+
+The reference engine (executor.py) runs a slice plan in Python: per slice, wait for the
+incoming slot, acquire the outgoing one, reduce or copy, post, release -- about 5 us of
+interpreter per slice. Here the same plan is an int64 table (one row per slice, PLAN_COLUMNS)
+and the same loop runs as machine code with the GIL released (nogil), over the shm segments'
+header words and slots by address: no Python per slice.
+
+The compiled loop never blocks for long. When a counter it needs has not moved after
+``spin`` cycles of polling (PAUSE between polls), or when ``budget`` cycles (~1 ms) have
+passed, it returns to Python with where it stopped. Python then waits the reference engine's
+way -- conn.wait / conn.acquire, with their deadline, abort(), peer liveness and watchdog, and
+the very same error messages -- and calls the loop again from that slice. Returning every
+millisecond also lets Python run signal handlers (Ctrl-C, SIGTERM's cleanup) during long calls.
+
+Same bits as the reference engine: the rows replay executor._slice's decisions (what is
+reduced into what, in which order, where AVG divides) and the reductions are
+ringcomm.kernels.native's, which are host.py's arithmetic. Kernels are compiled once per
+element type (every op is in each) and cached on disk by numba (``cache=True``): a new process
+loads them instead of compiling.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+from ringcomm.kernels import native as native_kernels
+from ringcomm.transport import shm
+
+from . import native_sync
+
+# A plan row: flags, offsets and the connection-table rows of the slice's peers.
+F_RECVS, F_REDUCES, F_COPIES, F_FINAL = 1, 2, 4, 8
+FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source rows, then ndst dest rows
+# The control block: what the call passes in, and (NEXT, STATUS, CONN) what the loop hands back.
+NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC = range(12)
+CTL_SIZE = 12
+DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE = range(5)
+SPIN_ROUND_S = 200e-6
+# Connection table columns: the segment's header words, its first slot, this end's counter.
+WORDS, SLOTS, COUNT = range(3)
+
+
+def _wait_above(addr, floor, spin):
+    """Poll the int64 at addr until it exceeds floor, for at most ``spin`` cycles."""
+    if native_sync.load_acquire(addr) > floor:
+        return True
+    if spin <= 0:
+        return False
+    t0 = native_sync.cycles()
+    while True:
+        for _ in range(32):
+            native_sync.cpu_pause()
+            if native_sync.load_acquire(addr) > floor:
+                return True
+        if native_sync.cycles() - t0 > spin:
+            return False
+
+
+def _slot(conns, c, nslots, slot_bytes, like, k):
+    """The slot connection row c uses next, as an array of k elements of like's type."""
+    addr = conns[c, SLOTS] + (conns[c, COUNT] % nslots) * slot_bytes
+    return numba_carray(native_sync.typed_ptr(addr, like), k)
+
+
+def _run(plan, conns, ctl, inp_array, out):
+    # The input through a pointer of the output's type: a read-only numpy input then needs no
+    # separate compiled version, and x and the slots unify to one array type.
+    inp = numba_carray(native_sync.typed_ptr(inp_array.ctypes.data, out), inp_array.size)
+    nslots, spin, maxsrc = ctl[NSLOTS], ctl[SPIN], ctl[MAXSRC]
+    t0 = native_sync.cycles()
+    i = ctl[NEXT]
+    while i < plan.shape[0]:
+        row = plan[i]
+        nbytes, nsrc, ndst = row[NBYTES], row[NSRC], row[NDST]
+        # Everything this slice needs must be ready before it touches any byte: a return to
+        # Python in the middle of a slice would leave it half done.
+        for j in range(nsrc):
+            c = row[PEERS + j]
+            want = conns[c, COUNT]
+            if not _wait_above(conns[c, WORDS] + 8 * shm.POSTED, want, spin):
+                return _stop(ctl, i, BLOCKED_RECV, c)
+            if native_sync.load_acquire(conns[c, WORDS] + 8 * (shm.SIZES + want % nslots)) != nbytes:
+                return _stop(ctl, i, BAD_SIZE, c)
+        for j in range(ndst):
+            c = row[PEERS + maxsrc + j]
+            if not _wait_above(conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT] - nslots, spin):
+                return _stop(ctl, i, BLOCKED_SEND, c)
+        _move(row, conns, ctl, inp, out)
+        for j in range(nsrc):                   # give the incoming slots back
+            c = row[PEERS + j]
+            conns[c, COUNT] += 1
+            native_sync.store_release(conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT])
+        for j in range(ndst):                   # size first, then the counter that publishes both
+            c = row[PEERS + maxsrc + j]
+            native_sync.store_release(conns[c, WORDS] + 8 * (shm.SIZES + conns[c, COUNT] % nslots), nbytes)
+            conns[c, COUNT] += 1
+            native_sync.store_release(conns[c, WORDS] + 8 * shm.POSTED, conns[c, COUNT])
+        i += 1
+        if native_sync.cycles() - t0 > ctl[BUDGET] and i < plan.shape[0]:
+            return _stop(ctl, i, YIELD, -1)
+    return _stop(ctl, i, DONE, -1)
+
+
+def _move(row, conns, ctl, inp, out):
+    """One slice's data work, as executor._slice does it: the slots are ready."""
+    nslots, slot_bytes, op, kind16, maxsrc = ctl[NSLOTS], ctl[SLOT_BYTES], ctl[OP], ctl[KIND16], ctl[MAXSRC]
+    flags, io, oo, k, nsrc, ndst = row[FLAGS], row[IO], row[OO], row[K], row[NSRC], row[NDST]
+    x = inp[io:io + k]
+    if flags & F_REDUCES:
+        # Reduce into the output if the step copies, else into the first outgoing slot; further
+        # sources fold into that value in order.
+        if flags & F_COPIES:
+            value = out[oo:oo + k]
+        else:
+            value = _slot(conns, row[PEERS + maxsrc], nslots, slot_bytes, inp, k)
+        for j in range(nsrc):                   # one call site: one copy of every op's loop
+            a = x if j == 0 else value
+            native_reduce(value, a, _slot(conns, row[PEERS + j], nslots, slot_bytes, inp, k), op, kind16)
+        if flags & F_FINAL and ctl[AVG]:
+            native_avg(value, ctl[NRANKS], kind16)
+        first = 0 if flags & F_COPIES else 1    # the first slot already holds the value
+    else:
+        value = _slot(conns, row[PEERS], nslots, slot_bytes, inp, k) if flags & F_RECVS else x
+        in_place = x.ctypes.data == out.ctypes.data + oo * out.itemsize   # copying onto itself
+        if flags & F_COPIES and not (in_place and not flags & F_RECVS):
+            _copy(out[oo:oo + k], value)
+        first = 0
+    for j in range(first, ndst):
+        _copy(_slot(conns, row[PEERS + maxsrc + j], nslots, slot_bytes, inp, k), value)
+
+
+def _stop(ctl, i, status, c):
+    ctl[NEXT], ctl[STATUS], ctl[CONN] = i, status, c
+    return status
+
+
+def _copy(dst, src):
+    for i in range(dst.size):
+        dst[i] = src[i]
+
+
+numba_carray = native_reduce = native_avg = None
+_kernel = None
+_lock = threading.Lock()
+
+
+def kernel():
+    """The compiled loop (numba dispatcher): one specialization per element type, cached on disk.
+    Made once per process, under a lock: communicators may be created in several threads."""
+    global _kernel, numba_carray, native_reduce, native_avg
+    with _lock:
+        if _kernel is None:
+            import numba
+            native_sync.intrinsics()
+            numba_carray = numba.carray
+            native_reduce, native_avg = native_kernels.compiled()
+            jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
+            g = globals()
+            for name in ("_wait_above", "_slot", "_stop", "_copy", "_move"):
+                g[name] = jit(g[name])
+            _drop_stale_cache()
+            _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
+    return _kernel
+
+
+def _drop_stale_cache() -> None:
+    """numba's disk cache is keyed on this file alone, but the compiled loop also holds code from
+    kernels/native.py, kernels/host.py and native_sync.py: after an edit there, drop it."""
+    import glob
+    import pathlib
+
+    here = pathlib.Path(__file__)
+    deps = [here.with_name("native_sync.py"), pathlib.Path(native_kernels.__file__),
+            pathlib.Path(native_kernels.host.__file__)]
+    newest = max(p.stat().st_mtime for p in deps)
+    for index in glob.glob(str(here.parent / "__pycache__" / f"{here.stem}._run-*.nbi")):
+        if pathlib.Path(index).stat().st_mtime < newest:
+            for stale in glob.glob(index[:-len(".nbi")] + "*"):
+                try:
+                    pathlib.Path(stale).unlink()
+                except OSError:
+                    pass
+
+
+class NativePlan:
+    """A slice plan as the compiled loop reads it, beside the reference plan's entries (for
+    waits and messages: step, peer, slice number) and the send links still to settle."""
+
+    __slots__ = ("table", "entries", "maxsrc", "unsettled", "ctls")
+
+    def __init__(self, table, entries, maxsrc, unsettled):
+        self.table, self.entries, self.maxsrc, self.unsettled = table, entries, maxsrc, unsettled
+        self.ctls: dict = {}   # (dtype, op) -> the control block, or None: a dtype this engine leaves alone
+
+
+class NativeEngine:
+    """Runs an executor's plans through the compiled loop when every link of the plan is shm.
+
+    The connection table's COUNT column is the truth about the FIFO counters while this engine
+    runs calls; the connections' own attributes (ShmSend.posted, ShmRecv.released) are brought
+    up to date before Python waits on a connection and before the reference engine runs.
+    """
+
+    def __init__(self, executor, spin_s: float, budget_s: float):
+        self.x = executor
+        self.conns = np.zeros((8, 3), np.int64)
+        self.objs: list = []          # row -> connection
+        self.rows: dict = {}          # id(connection) -> row
+        self.owned = False            # COUNT is ahead of the connections' attributes
+        self.ctl = np.zeros(CTL_SIZE, np.int64)
+        hz = native_sync.cycles_per_second()
+        self.budget = int(budget_s * hz)
+        # A blocked wait polls in rounds of SPIN_ROUND_S, os.sched_yield() between rounds, for
+        # spin_s in all; then it is the transport's wait (deadline, abort, liveness, back-off).
+        self.spin = int(min(spin_s, SPIN_ROUND_S) * hz)
+        self.rounds = int(spin_s / SPIN_ROUND_S)
+        self.kernel = kernel()
+
+    def plan(self, entries) -> NativePlan | None:
+        """The table for a reference plan's entries; None if a link is not shm."""
+        conns = {c for e in entries for _, c in e[6] + e[7]}
+        if not all(isinstance(c, (shm.ShmSend, shm.ShmRecv)) for c in conns):
+            return None
+        maxsrc = max((len(e[6]) for e in entries), default=0)
+        maxdst = max((len(e[7]) for e in entries), default=0)
+        table = np.zeros((len(entries), PEERS + maxsrc + maxdst), np.int64)
+        for n, (_, step, io, oo, k, nbytes, recvs, sends, _) in enumerate(entries):
+            flags = (F_RECVS * step.recvs | F_REDUCES * step.reduces | F_COPIES * step.copies
+                     | F_FINAL * step.final)
+            table[n, :PEERS] = flags, io, oo, k, nbytes, len(recvs), len(sends)
+            for j, (_, c) in enumerate(recvs):
+                table[n, PEERS + j] = self._row(c)
+            for j, (_, c) in enumerate(sends):
+                table[n, PEERS + maxsrc + j] = self._row(c)
+        unsettled = [c for c in conns if isinstance(c, shm.ShmSend)]
+        return NativePlan(table, entries, maxsrc, unsettled)
+
+    def _row(self, conn) -> int:
+        row = self.rows.get(id(conn))
+        if row is None:
+            row = self.rows[id(conn)] = len(self.objs)
+            self.objs.append(conn)
+            if row == len(self.conns):
+                self.conns = np.concatenate([self.conns, np.zeros_like(self.conns)])
+            self.conns[row, WORDS], self.conns[row, SLOTS] = conn.addresses()
+            self.conns[row, COUNT] = conn.count
+        return row
+
+    def release(self) -> None:
+        """Hand the counters back to the connections (the reference engine is about to run)."""
+        if self.owned:
+            for conn, count in zip(self.objs, self.conns[:len(self.objs), COUNT].tolist()):
+                conn.count = count
+            self.owned = False
+
+    def _control(self, plan: NativePlan, dtype, op):
+        """The call's control block, made once per (plan, dtype, op): a repeated call only resets
+        NEXT. None where the native arithmetic would not give host.py's bits (float16 without F16C)."""
+        if not native_kernels.supported(dtype):
+            ctl = None
+        else:
+            x = self.x
+            ctl = np.array((0, 0, -1, x.nslots, x.slot_bytes, native_kernels.OPCODES[op],
+                            native_kernels.kind16(dtype), x.world_size, op == "avg", self.spin, self.budget,
+                            plan.maxsrc), np.int64)
+        plan.ctls[(dtype, op)] = ctl
+        return ctl
+
+    def run(self, plan: NativePlan, call) -> bool:
+        """Run one call; False (nothing done) if its dtype is not for this engine."""
+        inp, out = call.inp, call.out
+        ctl = plan.ctls.get((inp.dtype, call.op), False)
+        if ctl is False:
+            ctl = self._control(plan, inp.dtype, call.op)
+        if ctl is None:
+            return False
+        if not self.owned:
+            for row, conn in enumerate(self.objs):
+                self.conns[row, COUNT] = conn.count
+            self.owned = True
+        if plan.unsettled:
+            plan.unsettled = [c for c in plan.unsettled if not c.settle()]
+        if ctl[KIND16]:
+            inp, out = inp.view(np.uint16), out.view(np.uint16)
+        ctl[NEXT] = 0
+        x, rounds, where = self.x, 0, -1
+        while self.kernel(plan.table, self.conns, ctl, inp, out) != DONE:
+            status = ctl[STATUS]
+            if status == YIELD:
+                continue
+            if status != BAD_SIZE and rounds < self.rounds:
+                if ctl[NEXT] != where:          # progress since the last round: a new wait
+                    rounds, where = 0, ctl[NEXT]
+                rounds += 1
+                os.sched_yield()
+                continue
+            rounds = 0
+            entry = plan.entries[ctl[NEXT]]
+            x._step = entry[0]
+            conn = self.objs[ctl[CONN]]
+            conn.count = int(self.conns[ctl[CONN], COUNT])
+            if status == BLOCKED_SEND:
+                x._acquire(conn.peer, conn, call, entry[8])
+            else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
+                x._wait(conn.peer, conn, call, entry[5], entry[8])
+        return True
+
+def warm(dtypes=None) -> None:
+    """Compile (or load from numba's disk cache) the loop for these dtypes, default every one the
+    engine takes: what a process pays before its first call on each dtype."""
+    from ringcomm.kernels import host
+    k = kernel()
+    empty_plan, conns, ctl = np.zeros((0, PEERS), np.int64), np.zeros((1, 3), np.int64), np.zeros(CTL_SIZE, np.int64)
+    for dt in dtypes or host.SUPPORTED_DTYPES:
+        if native_kernels.supported(dt):
+            a = np.zeros(1, native_kernels.storage(dt))
+            k(empty_plan, conns, ctl, a, a)

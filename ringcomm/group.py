@@ -1,0 +1,227 @@
+"""``with comm.group(): ...``: calls that start together and all complete when the block exits.
+
+Inside the block a call is checked as usual (TypeError / ValueError at once) and recorded; nothing
+moves. At the exit the members run together, slice by slice (NCCL's ncclGroupStart / End): each
+member is its own slice plan, and one loop takes from every member, in turn, the slices whose
+connections are ready -- data waiting for a receive, a free slot for a send -- so no member blocks
+another. That is why any matching set works whatever its order and message sizes: every rank
+sending to rank + 1 before receiving from rank - 1, or an all-to-all as n - 1 sends and n - 1
+receives, where calls one after another would wait for each other once a FIFO is full.
+
+Each (peer, direction) connection is one FIFO, so the members that share one take turns, in an
+order every rank derives alike whatever the interleaving in the block: first the group's
+collectives, in issue order (every rank issues its collectives in the same order), then its
+point-to-point calls, in issue order (so several messages between the same pair match in issue
+order). A member touches a connection only once every member before it has finished with it.
+Collectives never wait for point-to-point traffic, and the point-to-point calls then run together,
+so no turn waits for ever.
+
+Collectives on registered buffers (comm.alloc, algorithm "read") use no FIFO: they run first, one
+after the other in issue order, each as it would alone (ringcomm/read_engine.py); every rank's group
+holds the same collectives in the same order, so every rank runs the same ones first.
+
+A wait has the communicator's timeout measured from the group's last progress; the error names
+the stalled members. Any failure fails the whole group (and, as everywhere, the communicator).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ringcomm.kernels import host as kernels
+from ringcomm.transport.base import PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout
+
+
+class Group:
+    """What ``comm.group()`` returns. Groups nest: an inner block's calls join the outer group."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.members: list = []   # (schedule, Call), in issue order
+        self.pre: list = []       # functions to run before the members (RINGCOMM_DEBUG=check's checks)
+        self._outer = None
+
+    def __enter__(self):
+        progress = self.comm._progress
+        self._outer = progress.capture()
+        if self._outer is not None:  # nested: record into the outermost group
+            self.members, self.pre = self._outer.members, self._outer.pre
+        progress.set_capture(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self.comm._progress.set_capture(self._outer)
+        if exc_type is not None or self._outer is not None:
+            return False  # an error inside the block discards the group: nothing has moved
+        if self.members or self.pre:
+            self.comm._progress.run("group", self._run)
+        return False
+
+    def execute(self, run_now, sched, call) -> None:
+        if not isinstance(call.inp, np.ndarray):
+            raise NotImplementedError(f"{call.name} on device buffers inside comm.group(): groups take host "
+                                      f"buffers for now; issue device calls outside the group")
+        self.members.append((sched, call))
+
+    def later(self, fn) -> None:
+        self.pre.append(fn)
+
+    def _run(self) -> None:
+        for fn in self.pre:
+            fn()
+        comm = self.comm
+        comm._execute_now(self.members, None, engine=_Together(comm._executor))
+
+
+class _Together:
+    """The engine comm._execute_now runs a group with: the "schedule" is the list of members."""
+
+    def __init__(self, executor):
+        self.executor = executor
+
+    def run(self, members, _call) -> None:
+        run_group(self.executor, members)
+
+
+class _Member:
+    """One call of a group: its slice plan and how far it has got."""
+
+    __slots__ = ("call", "plan", "pos", "nsteps", "inp", "out", "fn", "in_place", "left", "p2p")
+
+    def __init__(self, executor, sched, call):
+        self.call, self.pos, self.nsteps = call, 0, len(sched.steps)
+        self.p2p = sched.algo == "p2p"  # send / recv: their turn on a connection comes after collectives
+        self.plan = executor._cached_plan(sched, call, False)
+        self.inp, self.out = call.inp, call.out
+        self.fn = kernels.elementwise(call.op, call.inp.dtype)
+        self.in_place = call.inp is call.out
+        self.left: dict = {}  # connection -> slices of this member still to use it
+        for entry in self.plan:
+            for _, conn in entry[6] + entry[7]:
+                self.left[conn] = self.left.get(conn, 0) + 1
+
+
+def run_group(executor, members) -> None:
+    """Run ``members`` [(schedule, Call)] of one rank together; see the module docstring."""
+    for sched, call in members:
+        if sched.registered and call.m > 0:
+            executor.run(sched, call)
+    members = [(s, c) for s, c in members if c.m > 0 and not s.registered]
+    if not members:
+        return
+    srcs, dsts = set(), set()
+    for sched, _ in members:
+        s, d = sched.peers()
+        srcs |= s
+        dsts |= d
+    native = getattr(executor, "native", None)  # a compiled engine holding the shm counters
+    if native is not None:
+        native.release()  # the reference engine's slices below take the connections over
+    executor.links.call = members[0][1]  # named in connect errors
+    executor.links.prepare(srcs, dsts)  # every member's sends before any receive: see Transport
+    pending = [_Member(executor, s, c) for s, c in members]
+    turn: dict = {}  # connection -> the members that use it, in turn; the first has it now
+    for m in sorted(pending, key=lambda m: m.p2p):  # stable: issue order within each kind
+        for conn in m.left:
+            turn.setdefault(conn, []).append(m)
+    with np.errstate(all="ignore"):
+        _loop(executor, pending, turn)
+
+
+def _loop(executor, pending, turn) -> None:
+    ctx = executor.links.ctx
+    backoff, stalled_since, next_patrol = Backoff(ctx.spins), None, 0.0
+    while pending:
+        moved = False
+        for m in pending:
+            moved |= _advance(executor, m, turn)
+        if moved:
+            pending = [m for m in pending if m.pos < len(m.plan)]
+            backoff, stalled_since = Backoff(ctx.spins), None
+            continue
+        backoff()
+        if backoff.n & 63:
+            continue
+        now = time.monotonic()
+        if stalled_since is None:
+            stalled_since, next_patrol = now, now + PATROL_PERIOD
+            _note_wait(executor, pending, turn, now)
+        if ctx.abort is not None and ctx.abort.is_set():
+            raise _fail(executor, pending, turn, Aborted, "aborted")
+        if now - stalled_since > executor.timeout:
+            raise _fail(executor, pending, turn, PeerTimeout, "timed out")
+        if now >= next_patrol:
+            _patrol(executor, pending, turn)
+            if ctx.watchdog is not None:
+                ctx.watchdog()
+            next_patrol = now + PATROL_PERIOD
+
+
+def _advance(executor, m: _Member, turn) -> bool:
+    """Run m's next slices while their connections are m's turn and ready; True if any ran."""
+    plan, moved = m.plan, False
+    executor._call, executor._nsteps = m.call, m.nsteps
+    while m.pos < len(plan):
+        entry = plan[m.pos]
+        for _, conn in entry[6]:
+            if turn[conn][0] is not m or not conn.ready():
+                return moved
+        for _, conn in entry[7]:
+            if turn[conn][0] is not m or not conn.ready():
+                return moved
+        # Every connection is ready, so the slice's waits return at once.
+        executor._slice(entry, m.call, m.inp, m.out, m.fn, m.in_place)
+        m.pos += 1
+        moved = True
+        for _, conn in entry[6] + entry[7]:
+            m.left[conn] -= 1
+            if not m.left[conn]:
+                turn[conn].pop(0)  # the next member in issue order may use it now
+    return moved
+
+
+def _blocked(pending, turn):
+    """(member, peer, direction, connection) for every member waiting on its peer (not on an
+    earlier member of the group)."""
+    for m in pending:
+        entry = m.plan[m.pos]
+        for direction, ends in (("recv", entry[6]), ("send", entry[7])):
+            for peer, conn in ends:
+                if turn[conn][0] is m and not conn.ready():
+                    yield m, peer, direction, conn
+                    break
+
+
+def _note_wait(executor, pending, turn, t0) -> None:
+    """Tell the watchdog what the group waits for (the first stalled member)."""
+    for m, peer, direction, _ in _blocked(pending, turn):
+        executor._call, executor._step = m.call, m.plan[m.pos][0]
+        executor._waiting = (peer, direction, m.plan[m.pos][8], t0)
+        return
+
+
+def _patrol(executor, pending, turn) -> None:
+    """Look for dead peers (a transport's check()), as a blocking wait does at each patrol."""
+    for m, peer, direction, conn in _blocked(pending, turn):
+        try:
+            conn.check()
+        except PeerGone as e:
+            raise executor._explain(e, _doing(pending, m, peer, direction)) from None
+
+
+def _fail(executor, pending, turn, kind, what):
+    for m, peer, direction, conn in _blocked(pending, turn):
+        e = kind(f"{what} in a group", peer=peer, transport=conn.transport)
+        return executor._explain(e, _doing(pending, m, peer, direction))
+    # Nothing waits on a peer, so members wait on each other: a bug, said plainly.
+    names = ", ".join(f"{m.call.name} #{m.call.seq}" for m in pending)
+    return RuntimeError(f"rank {executor.rank}: group members {names} wait on each other")
+
+
+def _doing(pending, m, peer, direction) -> str:
+    names = ", ".join(f"{x.call.name} #{x.call.seq}" for x in pending)
+    nslice = m.plan[m.pos][8]
+    where = f"to send slice {nslice} of {m.call.name} #{m.call.seq} to" if direction == "send" else \
+        f"for slice {nslice} of {m.call.name} #{m.call.seq} from"
+    return f"in a group ({len(pending)} calls unfinished: {names}) waiting {where}"

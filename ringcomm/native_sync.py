@@ -1,0 +1,123 @@
+"""The few machine operations the native engine needs that numba has no words for.
+
+    load_acquire(addr)         the int64 at ``addr``, read with acquire ordering
+    store_release(addr, v)     store int64 ``v`` at ``addr`` with release ordering
+    cpu_pause()                x86 PAUSE: a spin-wait hint (yields the pipeline, not the core)
+    cycles()                   the CPU's cycle counter (RDTSC): cheap time for compiled loops
+    typed_ptr(addr, like)      ``addr`` as a pointer to ``like``'s element type, for numba.carray
+
+Why atomics for plain counters: a compiled spin loop over an ordinary array load may be hoisted
+by LLVM out of the loop (nothing in the loop writes it), and then it never sees the peer's store.
+An atomic acquire load is re-read every time, and no later load (the slot's data) may be moved
+above it; a release store keeps every earlier store (the slot's data, its size) before it. On x86
+both compile to plain MOVs (TSO already orders them at run time), on aarch64 to LDAR / STLR: the
+native engine is correct on weakly ordered CPUs too. (The Python engine's numpy stores are not, so
+transport/shm.py still refuses them.)
+
+Numba compiles these into the caller; nothing here runs at import, and numba is imported only by
+``intrinsics()``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+_lock = threading.RLock()  # cycles_per_second() holds it while it calls intrinsics()
+_done = None
+load_acquire = store_release = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
+
+
+def intrinsics():
+    """(load_acquire, store_release, cpu_pause, cycles, typed_ptr), made once per process and
+    also set as this module's globals, where jitted code finds them."""
+    global _done
+    if _done is None:
+        with _lock:
+            if _done is None:
+                made = _make()
+                globals().update(zip(("load_acquire", "store_release", "cpu_pause", "cycles", "typed_ptr"),
+                                     made))
+                _done = made
+    return _done
+
+
+def _make():
+    import platform
+
+    from llvmlite import ir
+    from numba.core import cgutils, types
+    from numba.extending import intrinsic
+
+    i64 = ir.IntType(64)
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+    @intrinsic
+    def load_acquire(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[0], i64.as_pointer())
+            return builder.load_atomic(ptr, "acquire", 8)
+        return types.int64(types.int64), codegen
+
+    @intrinsic
+    def store_release(typingctx, addr, value):
+        def codegen(context, builder, sig, args):
+            ptr = builder.inttoptr(args[0], i64.as_pointer())
+            builder.store_atomic(args[1], ptr, "release", 8)
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64), codegen
+
+    @intrinsic
+    def cpu_pause(typingctx):
+        def codegen(context, builder, sig, args):
+            if x86:  # elsewhere an empty spin: correct, only less polite to the sibling hyperthread
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                    "llvm.x86.sse2.pause")
+                builder.call(fn, [])
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @intrinsic
+    def cycles(typingctx):
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, []),
+                                                "llvm.readcyclecounter")
+            return builder.call(fn, [])
+        return types.int64(), codegen
+
+    @intrinsic
+    def typed_ptr(typingctx, addr, like):
+        ptr_type = types.CPointer(like.dtype)
+
+        def codegen(context, builder, sig, args):
+            return builder.inttoptr(args[0], context.get_value_type(ptr_type))
+        return ptr_type(types.int64, like), codegen
+
+    return load_acquire, store_release, cpu_pause, cycles, typed_ptr
+
+
+_hz = None
+
+
+def cycles_per_second() -> float:
+    """The cycle counter's rate, measured once per process over ~2 ms (a VM's TSC runs at a
+    fixed rate; what matters is turning "return to Python every ~1 ms" into counter ticks)."""
+    global _hz
+    with _lock:
+        if _hz is None:
+            _hz = _measure_hz()
+    return _hz
+
+
+def _measure_hz() -> float:
+    import numba
+    intrinsics()
+    read = numba.njit(cache=True)(_read_cycles)
+    read()
+    t0, c0 = time.perf_counter(), read()
+    while time.perf_counter() - t0 < 2e-3:
+        pass
+    return (read() - c0) / (time.perf_counter() - t0)
+
+
+def _read_cycles():
+    return cycles()

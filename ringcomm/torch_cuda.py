@@ -1,0 +1,173 @@
+"""CUDA tensors in the torch.distributed backend, with ProcessGroupNCCL's stream semantics.
+
+ringcomm.torch runs a group's calls on its communicator's progress thread. For CUDA tensors, the order on the GPU must be
+the caller's, although the work is queued from another thread:
+
+- at call time, in the caller's thread, an event is recorded on the caller's current stream of the
+  tensors' device: the collective runs after the work queued there so far (as NCCL's stream waits for it);
+- on the worker, that device is made current and a stream of the group's own (one per device) is made
+  torch's current stream; it waits for the event, then the Communicator runs the call (ringcomm's device
+  path orders its own stream after that current stream, and that stream after its work on success), and
+  an end event is recorded on it;
+- Work.wait() (and synchronize()) waits, on the host, for the worker to have *queued* the call, then makes
+  the waiting thread's current stream wait for the end event: the GPU, not the host, waits for the result,
+  as with NCCL. The future completes when the call is queued; a value read from it is ready on a stream
+  that waited (Work.wait) for it;
+- the tensors are marked used on the group's stream (record_stream), so the caching allocator does not
+  hand their memory out again before that stream has passed the call.
+
+Only ringcomm.torch imports this module; install() wires it in: a method called with CUDA tensors goes
+here, one with CPU tensors goes on as before.
+"""
+from __future__ import annotations
+
+import functools
+from datetime import timedelta
+
+import torch
+
+from .torch_support import REDUCIBLE, Work, ring_op
+
+
+class CudaWork(Work):
+    def __init__(self, inner, outputs, device, end):
+        super().__init__(inner, outputs)
+        self.device, self._end = device, end  # end: a one-item list the progress thread fills
+
+    @property
+    def end(self):
+        return self._end[0]
+
+    def wait(self, timeout=timedelta(0)) -> bool:
+        super().wait(timeout)               # the worker has queued the call (or raised its error)
+        self.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        if self.end is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.end)
+
+
+def _tensors(args) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out += _tensors(a)
+    return out
+
+
+def _check(tensors, what: str):
+    dev = tensors[0].device
+    for t in tensors:
+        if t.device != dev:
+            raise ValueError(f"{what}: tensors on {dev} and {t.device}; one call takes tensors of one device")
+        if t.layout != torch.strided or not t.is_contiguous():
+            raise ValueError(f"{what}: CUDA tensors must be dense and contiguous")
+    return dev
+
+
+def _run(pg, name: str, tensors: list, outputs: list, body):
+    """Queue body() on the group's worker with the stream semantics above; return its CudaWork."""
+    dev = _check(tensors, name)
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(dev))
+    side = _stream(pg, dev)
+    for t in tensors:
+        t.record_stream(side)
+    end = [None]
+
+    def run():
+        with torch.cuda.device(dev), torch.cuda.stream(side):
+            side.wait_event(ready)
+            body()
+            end[0] = torch.cuda.Event()
+            end[0].record(side)
+    pg._p2p.flush()  # held p2p calls were issued first, so they run first
+    return CudaWork(pg.comm._progress.submit(name, run), outputs, dev, end)
+
+
+def _stream(pg, dev):
+    streams = pg.__dict__.setdefault("_cuda_streams", {})
+    if dev not in streams:
+        streams[dev] = torch.cuda.Stream(dev)
+    return streams[dev]
+
+
+def _reducible(t, what):
+    if t.dtype not in REDUCIBLE:
+        raise NotImplementedError(f"{what} has dtype {t.dtype}, which the ringcomm backend does not reduce")
+    return t
+
+
+# ---- the collectives on CUDA tensors (ringcomm's device path takes torch tensors as they are) ------------
+
+def allreduce(pg, tensors, opts=None):
+    from torch.distributed import ReduceOp
+    op = ring_op(opts.reduceOp if opts is not None else ReduceOp.SUM, "all_reduce")
+    ts = [_reducible(t, "all_reduce tensor") for t in tensors]
+    return _run(pg, "all_reduce", ts, list(tensors), lambda: [pg.comm.all_reduce(t, op) for t in ts])
+
+
+def broadcast(pg, tensors, opts):
+    t = tensors[0]
+    return _run(pg, "broadcast", [t], [t], lambda: pg.comm.broadcast(t.view(torch.uint8) if t.dtype not in
+                                                                      REDUCIBLE else t, opts.rootRank))
+
+
+def reduce(pg, tensors, opts):
+    t = _reducible(tensors[0], "reduce tensor")
+    op = ring_op(opts.reduceOp, "reduce")
+    return _run(pg, "reduce", [t], [t], lambda: pg.comm.reduce(t, opts.rootRank, op))
+
+
+def all_gather_single(pg, output, input, opts=None):
+    return _run(pg, "all_gather_into_tensor", [output, input], [output], lambda: pg.comm.all_gather(input, output))
+
+
+def reduce_scatter_single(pg, output, input, opts):
+    op = ring_op(opts.reduceOp, "reduce_scatter_tensor")
+    return _run(pg, "reduce_scatter_tensor", [output, input], [output],
+                lambda: pg.comm.reduce_scatter(_reducible(input, "input"), output, op))
+
+
+def allgather(pg, output_tensors, input_tensors, opts=None):
+    outs, inp = output_tensors[0], input_tensors[0]
+    flat = torch.empty(len(outs) * inp.numel(), dtype=inp.dtype, device=inp.device)
+
+    def body():
+        pg.comm.all_gather(inp, flat)
+        for o, block in zip(outs, flat.view(len(outs), inp.numel())):     # on the group's stream
+            o.detach().copy_(block.view(o.shape))
+    return _run(pg, "all_gather", [inp, flat, *outs], list(outs), body)
+
+
+def send(pg, tensors, dst, tag=0):
+    t = tensors[0]
+    return _run(pg, "send", [t], [t], lambda: pg.comm.send(t, dst))
+
+
+def recv(pg, tensors, src, tag=0):
+    t = tensors[0]
+    return _run(pg, "recv", [t], [t], lambda: pg.comm.recv(t, src))
+
+
+ROUTED = {"allreduce": allreduce, "allreduce_coalesced": allreduce, "broadcast": broadcast, "reduce": reduce,
+          "all_gather_single": all_gather_single, "_allgather_base": all_gather_single,
+          "reduce_scatter_single": reduce_scatter_single, "_reduce_scatter_base": reduce_scatter_single,
+          "allgather": allgather, "send": send, "recv": recv}
+
+
+def install(cls) -> None:
+    """Route each of ``cls``'s collectives here when it is called with CUDA tensors."""
+    for name, cuda_fn in ROUTED.items():
+        host_fn = getattr(cls, name)
+
+        @functools.wraps(host_fn)
+        def method(self, *args, _host=host_fn, _cuda=cuda_fn, **kwargs):
+            ts = _tensors(args)
+            if any(t.is_cuda for t in ts):           # then _check refuses a mix of devices
+                return _cuda(self, *args, **kwargs)
+            return _host(self, *args, **kwargs)
+        setattr(cls, name, method)

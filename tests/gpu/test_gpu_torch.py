@@ -1,0 +1,44 @@
+"""CUDA tensors through the torch.distributed backend on a real GPU, 2 ranks sharing GPU 0: ProcessGroupNCCL's
+stream semantics (ringcomm/torch_cuda.py). Skipped with the reason where there is no GPU."""
+from __future__ import annotations
+
+import pytest
+
+import gpu_common  # noqa: F401 - puts tests/ on sys.path
+from gpu_common import unavailable
+
+WHY = unavailable()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=WHY or "")]
+
+
+def stream_semantics(rank, n):
+    """Work queued on a side stream before the call counts; Work.wait() orders the side stream after it."""
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        x = torch.zeros(1 << 22, device="cuda")
+        for _ in range(20):
+            x += 1                                      # queued on s, not necessarily done at the call
+        work = dist.all_reduce(x, async_op=True)
+        work.wait()                                     # s waits on the GPU; the host does not
+        x *= 2
+        y = torch.full((1 << 16,), float(rank + 1), dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(n * y.numel(), dtype=torch.bfloat16, device="cuda")
+        dist.all_gather_into_tensor(out, y)
+    s.synchronize()
+    assert bool((x == 20 * n * 2).all()), x[:4]
+    assert bool((out.view(n, -1).float() == torch.arange(1, n + 1, device="cuda").view(n, 1)).all())
+    return "ok"
+
+
+@pytest.mark.timeout(180)
+def test_torch_cuda_tensors_follow_nccl_stream_semantics():
+    pytest.importorskip("torch")
+    from test_torch_backend import TorchWorld
+    w = TorchWorld(2)
+    try:
+        assert w.run(stream_semantics, timeout=150) == ["ok", "ok"]
+    finally:
+        w.close()

@@ -1,0 +1,75 @@
+"""The GPU runtime wrapper (transport/cuda_cupy.py) against a stand-in for cupy's runtime module: every CUDA
+failure becomes a CudaError naming the call, "not ready" is an answer rather than an error, and a driver
+without stream memory operations (none here) turns the flag protocol off instead of failing. The stand-in
+offers only calls that cupy-cuda12x and cupy-cuda13x both have, so the wrapper needs nothing else."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from ringcomm.transport.cuda_rt import CudaError
+
+pytest.importorskip("numba.cuda", reason="numba-cuda is not installed")
+
+
+class CUDARuntimeError(RuntimeError):
+    def __init__(self, status, text):
+        super().__init__(text)
+        self.status = status
+
+
+def _stub_cupy(calls):
+    def fail(status, text):
+        def raiser(*args):
+            calls.append(args)
+            raise CUDARuntimeError(status, text)
+        return raiser
+    rt = types.SimpleNamespace(
+        CUDARuntimeError=CUDARuntimeError, streamNonBlocking=1, eventDisableTiming=2,
+        malloc=fail(2, "cudaErrorMemoryAllocation: out of memory"),
+        ipcOpenMemHandle=fail(201, "cudaErrorMapBufferObjectFailed: mapping of buffer object failed"),
+        streamQuery=fail(600, "cudaErrorNotReady: device not ready"),
+        eventQuery=lambda e: None,
+        getDevice=fail(710, "cudaErrorAssert: device-side assert triggered"),
+        hostRegister=fail(712, "cudaErrorHostMemoryAlreadyRegistered"))
+    return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
+
+
+@pytest.fixture
+def rt(monkeypatch):
+    calls = []
+    monkeypatch.setitem(sys.modules, "cupy", _stub_cupy(calls))
+    from ringcomm.transport.cuda_cupy import CupyRuntime
+    runtime = CupyRuntime()
+    runtime.calls = calls
+    return runtime
+
+
+def test_cuda_failures_are_cuda_errors_naming_the_call(rt):
+    with pytest.raises(CudaError, match=r"cudaMalloc\(4096 bytes\) failed: cudaErrorMemoryAllocation") as e:
+        rt.malloc(4096)
+    assert e.value.call == "cudaMalloc(4096 bytes)" and e.value.code == 2
+    with pytest.raises(CudaError, match="cudaIpcOpenMemHandle failed: cudaErrorMapBufferObjectFailed"):
+        rt.ipc_open(b"\0" * 64)
+    with pytest.raises(CudaError, match="cudaGetDevice failed: cudaErrorAssert"):
+        rt.get_device()
+
+
+def test_not_ready_is_an_answer(rt):
+    assert rt.stream_idle(5) is False
+    assert rt.event_done(7) is True
+
+
+def test_no_stream_memory_operations_means_host_synchronisation(rt, monkeypatch):
+    import ctypes
+
+    def no_driver(name, *a, **k):
+        raise OSError(f"{name}: cannot open shared object file")
+    monkeypatch.setattr(ctypes, "CDLL", no_driver)
+    from ringcomm.transport.cuda_rt import Flag
+    import numpy as np
+    with pytest.raises(CudaError, match="cuStreamWaitValue64_v2 failed: not available from the driver"):
+        rt.wait_value(1, Flag(np.zeros(1, np.int64), 0), 1)
+    assert rt.mem_ops() is False          # the probe fails (here at cudaHostRegister): cuda_ipc polls instead

@@ -1,0 +1,136 @@
+"""The native engine's pieces: its arithmetic against the host kernels, its memory ordering, and
+that it stands aside where it does not apply. (The collective matrix, tests/test_collectives.py,
+runs every shm case on both engines and compares their bits.)"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import ringcomm
+from harness import World
+from ringcomm.kernels import host, native
+
+OPS = ("sum", "prod", "min", "max", "avg")
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    import numba
+    reduce_into, avg_into = native.compiled()
+
+    @numba.njit
+    def red(out, a, b, op, kind16):
+        reduce_into(out, a, b, op, kind16)
+
+    @numba.njit
+    def avg(arr, n, kind16):
+        avg_into(arr, n, kind16)
+    return red, avg
+
+
+def _operands(dt, size, rng):
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        a, b = (rng.integers(info.min, info.max, size, dtype=dt, endpoint=True) for _ in range(2))
+        a[:2], b[:2] = (info.min, info.max), (info.max, info.min)   # wrap-around at both ends
+        return a, b
+    a, b = ((rng.standard_normal(size) * 1e3).astype(np.float32).astype(dt) for _ in range(2))
+    specials = np.array([np.nan, 1.0, np.inf, -np.inf, 3.0, np.nan], np.float32).astype(dt)
+    a[:6], b[:6] = specials, specials[::-1]      # NaN against numbers, inf - inf, never NaN vs NaN
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [str(d) for d in host.SUPPORTED_DTYPES])
+def test_reductions_give_the_host_kernels_bits(compiled, dtype):
+    red, avg = compiled
+    dt = np.dtype(host.BFLOAT16 if dtype == "bfloat16" else dtype)
+    if not native.supported(dt):
+        pytest.skip(f"{dt}: this CPU lacks the half conversions; the executor keeps it in Python")
+    st, k16 = native.storage(dt), native.kind16(dt)
+    rng = np.random.default_rng(12)
+    for size in (7, 1000):                        # numpy's scalar tail and its SIMD loops
+        a, b = _operands(dt, size, rng)
+        for op in OPS:
+            want = host.reduce_copy(np.empty_like(a), a, b, op)
+            got = np.empty_like(a)
+            red(got.view(st), a.view(st), b.view(st), native.OPCODES[op], k16)
+            assert got.tobytes() == want.tobytes(), (dt, op, size)
+            inplace = a.copy()                    # out is a: the executor's fold of a further source
+            red(inplace.view(st), inplace.view(st), b.view(st), native.OPCODES[op], k16)
+            assert inplace.tobytes() == want.tobytes(), (dt, op, size, "in place")
+            if op == "avg":
+                for n in (2, 3, 7, 8):
+                    w = host.postprocess(want.copy(), "avg", n)
+                    g = want.copy()
+                    avg(g.view(st), n, k16)
+                    assert g.tobytes() == w.tobytes(), (dt, n)
+
+
+def test_a_compiled_spin_sees_the_peers_store():
+    """An acquire load is re-read on every poll: a spin waiting on a word another thread stores
+    returns, instead of spinning on a value LLVM hoisted out of the loop."""
+    import numba
+
+    from ringcomm import engine_native, native_sync
+    engine_native.kernel()
+    wait = engine_native._wait_above
+    word = np.zeros(1, np.int64)
+    hz = native_sync.cycles_per_second()
+
+    @numba.njit(nogil=True)
+    def spin(addr, spin_cycles):
+        return wait(addr, 0, spin_cycles)
+
+    seen, started = [], threading.Event()
+
+    def waiter():
+        started.set()
+        seen.append(spin(word.ctypes.data, int(30 * hz)))   # gives up after 30 s
+    t = threading.Thread(target=waiter)
+    t.start()
+    started.wait(10)
+    word[0] = 1
+    t.join(60)
+    assert seen == [True]
+
+
+def _engine_use(comm):
+    x = np.arange(3000, dtype=np.float32)
+    comm.all_reduce(x)
+    plans = [p for _, p in comm._executor._plans.values()]
+    return comm._executor.engine, [type(p).__name__ for p in plans], float(x[1])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_native_over_shm_reference_elsewhere(transport):
+    with World(2, {"RINGCOMM_TRANSPORT": transport}, timeout=60) as w:
+        results = w.run(_engine_use, timeout=90)
+    for engine, plans, x1 in results:
+        assert engine == "native" and x1 == 2.0
+        # over shm the call got a native plan; over tcp the native plan is None and the call ran
+        # the reference engine's plan (a list of slices)
+        want = {"NativePlan"} if transport == "shm" else {"NoneType", "list"}
+        assert set(plans) == want, plans
+
+
+def _mismatch(comm, engine):
+    comm._executor.engine = engine
+    x = np.ones(3000 if comm.rank == 0 else 2999, np.float32)
+    try:
+        comm.all_reduce(x, algo="ring")
+    except ringcomm.RingcommError as e:
+        return str(e).splitlines()[0]
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_size_mismatch_has_the_reference_engines_message():
+    texts = {}
+    for engine in ("native", "python"):
+        with World(2, {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_BUFFSIZE": "8192"}, timeout=10) as w:
+            texts[engine] = w.run(_mismatch, engine, timeout=60)
+    assert "expected" in texts["native"][0] or "expected" in texts["native"][1], texts
+    assert texts["native"] == texts["python"], texts
