@@ -218,7 +218,7 @@ class Communicator:
         # its next _execute_now, and closes them itself -- never under a running executor.
         if self._progress.token.acquire(False):
             try:
-                self._links.close()
+                self._close_links()
             finally:
                 self._progress.token.release()
         self._progress.fail_queued("comm.abort() was called")
@@ -334,7 +334,7 @@ class Communicator:
         if engine is None:
             engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
         if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
-            self._links.close()
+            self._close_links()
             raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
         try:
             engine.run(sched, call)
@@ -343,12 +343,19 @@ class Communicator:
             # calls, and close the links so the peers waiting on this rank learn it now.
             with self._lock:
                 self._broken = self._broken or str(e)
-            self._links.close()
+            self._close_links()
             if self._owns_store and self.rank == 0 and self._executor.watchdog is not None:
                 # This process hosts the store: keep it up while the others report (at exit,
                 # so a program that catches the error loses no time).
                 atexit.register(self._executor.watchdog.linger)
             raise
+
+    def _close_links(self):
+        """After a failure or abort(): close the links, and mark this rank's registered buffers as
+        left, so peers waiting in a call on them (which read no link) learn it now too."""
+        self._links.close()
+        if self._registry is not None:
+            self._registry.leave()
 
     def _device_path(self):
         if self._device is None:

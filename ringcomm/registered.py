@@ -265,14 +265,18 @@ class Registry:
         if ex is not None:
             ex._waiting = None
 
+    def leave(self) -> None:
+        """Tell the peers this rank takes no more part (a failure or abort): their waits on it end."""
+        if self.ctl is not None and self.ctl.bytes is not None:
+            self.ctl.bytes.view(np.int64)[CLOSED] = 1
+
     def close(self) -> None:
         """Stop sharing: peers' mappings are dropped, this rank's names unlinked (its arrays stay valid)."""
         if self.closed:
             return
         self.closed = True
         from ringcomm.transport import shm
-        if self.ctl is not None:
-            self.ctl.bytes.view(np.int64)[CLOSED] = 1
+        self.leave()
         for path in self.named:
             shm.unlink_tracked(path)
         self.named = []
