@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import ringcomm
-from cases import COLLECTIVES, DTYPES, OPS, compare, make_input, reference
+from cases import ALGOS, BLOCK_COLLECTIVES, COLLECTIVES, DTYPES, OPS, compare, make_input, reference, run_block_case
 from harness import World
 from ringcomm import catalogue
 from ringcomm.registered import READ_MIN_BYTES
@@ -157,24 +157,84 @@ def _run_case(comm, case, area):
         out = x[r * count:(r + 1) * count] if case["inplace"] else o[:count]
         got = comm.reduce_scatter(x, out, case["op"], algo=case["algo"])
         want = reference(case, inputs)[r * count:(r + 1) * count]
-    if comm._registry.engine.calls != calls + (count > 0):
-        return f"{case}: did not run the read algorithm"
+    reads = case["algo"] == "read" and count > 0
+    if comm._registry.engine.calls != calls + reads:
+        return f"{case}: {'did not run' if reads else 'ran'} the read algorithm"
     return compare(np.array(got), want, {**case, "buffers": "registered"})
 
 
-def _matrix(comm, cases):
+def _other_cases(n):
+    """Every other built-in algorithm of every collective once (all_to_all, gather and scatter
+    have only those): registered memory is memory, whatever runs on it."""
+    cases, i = [], 0
+    for coll in COLLECTIVES:
+        for algo in (a for a in ALGOS[coll] if a is not None):
+            cases.append(dict(collective=coll, dtype=("float32", "int32", "float64", "bfloat16")[i % 4],
+                              op="sum" if coll in BLOCK_COLLECTIVES else OPS[i % len(OPS)], count=1001,
+                              algo=algo, root=(0, n - 1)[i % 2], inplace=bool(i % 2), seed=100 + i,
+                              counts="equal" if algo == "bruck" else "packed"))
+            i += 1
+    return cases
+
+
+class _Carve:
+    """cases.run_block_case's ``dev``: each array it is given becomes a copy carved out of the
+    registered ``area``, 64-byte aligned, one after the other."""
+
+    def __init__(self, area):
+        self.area, self.at = area, 0
+
+    def __call__(self, a):
+        a = np.asarray(a)
+        self.at = -(-self.at // 64) * 64
+        view = self.area[self.at:self.at + a.nbytes].view(a.dtype)
+        view[...] = a
+        self.at += a.nbytes
+        return view
+
+
+def _counting_native_runs(comm) -> list:
+    """The native engine's calls that it ran, counted in [0] (the engine is the default)."""
+    native, runs = comm._executor.native, [0]
+    assert native is not None, f"engine {comm._executor.engine!r}: RINGCOMM_ENGINE=native is the default"
+    run = native.run
+
+    def counted(plan, call):
+        done = run(plan, call)
+        runs[0] += done
+        return done
+    native.run = counted
+    return runs
+
+
+def _matrix(comm, cases, others):
     area = comm.alloc(2 * 8 * BIG * comm.world_size + 64, np.uint8)
     assert area.flags.c_contiguous and not area.any()
+    runs = _counting_native_runs(comm)
     errors = [e for e in (_run_case(comm, c, area) for c in cases) if e]
+    if runs[0]:
+        errors.append(f"the native engine ran {runs[0]} read calls: they belong to read_engine.py")
+    for case in others:
+        before, calls = runs[0], comm._registry.engine.calls
+        if case["collective"] in BLOCK_COLLECTIVES:
+            err = run_block_case(comm, case, dev=_Carve(area), host=lambda a, dtype: np.array(a))
+        else:
+            err = _run_case(comm, case, area)
+        if err is None and (runs[0] != before + 1 or comm._registry.engine.calls != calls):
+            err = f"{case}: did not run in the native engine"
+        if err:
+            errors.append(err)
     return errors, _segments()[0]
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("n", [3])
+@pytest.mark.parametrize("n", [2, 3, 4])
 def test_collectives_on_registered_buffers(n):
-    # Small slots for the plain calls in between (the fingerprint and barrier paths stay FIFO ones).
+    # Every collective with "read", in and out of place, then every other algorithm on the same
+    # registered memory, in the native engine (the default). Small slots for the plain calls in
+    # between (the fingerprint and barrier paths stay FIFO ones).
     with World(n, {"RINGCOMM_BUFFSIZE": "65536"}, timeout=120) as w:
-        results = w.run(_matrix, _cases(n), timeout=200)
+        results = w.run(_matrix, _cases(n), _other_cases(n), timeout=200)
     assert [errs for errs, _ in results] == [[]] * n, "\n".join(e for errs, _ in results for e in errs)
     # alloc returned once every peer had mapped this rank's segments, and unlinked their names.
     assert [names for _, names in results] == [[]] * n
@@ -228,6 +288,66 @@ def test_misuse_is_refused_before_any_byte_moves(pair):
         assert out["shape type"].startswith("TypeError")
         assert out["ring"] == 3.0 and out["plain"] == 2.0 and out["auto"] == 1
         assert "alloc #2 has" in out["sizes"] and f"on rank {1 - r}" in out["sizes"]
+
+
+def _async_group_and_blocks(comm):
+    """Registered buffers in queued calls, in a group beside FIFO calls, and in all_to_all (which
+    has no read algorithm: automatic choice must not pick one from READ_MIN_BYTES up)."""
+    n, r, out = comm.world_size, comm.rank, {}
+    a = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
+    b = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
+    calls = comm._registry.engine.calls
+    a[:] = r + 1
+    comm.all_reduce(a, async_op=True).wait()  # queued on the progress thread
+    out["async"] = float(a.min()), float(a.max())
+    a[:] = np.arange(a.size) + 100 * r
+    comm.all_to_all(a, b)  # rank r's block i is rank i's block r
+    blk = a.size // n
+    out["all_to_all"] = all(np.array_equal(b[i * blk:(i + 1) * blk], np.arange(r * blk, (r + 1) * blk) + 100 * i)
+                            for i in range(n))
+    c, d = np.full(10, r + 1.0, np.float32), np.full(5, float(r), np.float32)
+    a[:] = r + 1
+    with comm.group():  # the read call comes second in issue order: it runs first, on every rank
+        comm.all_reduce(c, algo="ring")
+        comm.all_reduce(a, algo="read")
+        comm.send(d, (r + 1) % n)
+        comm.recv(d, (r - 1) % n)
+    out["group"] = float(c[0]), float(a.min()), float(a.max()), float(d[0])
+    out["reads"] = comm._registry.engine.calls - calls
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_registered_calls_queue_group_and_skip_block_collectives(pair):
+    for r, out in enumerate(pair.run(_async_group_and_blocks, timeout=60)):
+        assert out == {"async": (3.0, 3.0), "all_to_all": True, "group": (3.0, 3.0, 3.0, float(1 - r)),
+                       "reads": 2}, out
+
+
+def _abort_while_a_peer_reads(comm):
+    a = comm.alloc(1000, np.float32)
+    if comm.rank == 0:
+        comm.abort()
+        comm._store.get("seen", timeout=30)  # stay alive (and unclosed) until rank 1 has its error
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(a, algo="read")
+        return "no error"
+    except ringcomm.RingcommError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        comm._store.set("seen", b"1")
+
+
+@pytest.mark.timeout(120)
+def test_an_aborted_peer_ends_a_registered_wait_at_once():
+    with World(2, timeout=30) as w:
+        w.start(_abort_while_a_peer_reads)
+        answers = w.collect([0, 1], 60)
+    status, got = answers[1]
+    assert status == "ok" and got[0] == "PeerFailure", got
+    assert "rank 0 closed its communicator" in got[1] and got[2] < 5, got
 
 
 def _one_side(comm):
