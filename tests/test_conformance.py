@@ -216,21 +216,70 @@ def test_abort_wakes_a_wait(kind, transports):
 
 @pytest.mark.timeout(60)
 def test_peer_closing_gives_peer_gone_after_its_data(kind, links):
-    _, t1, s01, _, s10, r10 = links
+    t0, t1, s01, r01, s10, r10 = links
     for i in range(3):
         send(s10, pattern(1, i, 1000), soon(kind))
-    t1.close()  # whatever it posted still arrives; then the peer learns of the close
-    t1.close()
+    # Whatever rank 1 posted still arrives; then rank 0 learns of the close. Rank 1 closes in a
+    # thread of its own, as a process would: cuda_ipc's close waits (up to 5 s) for the receiver's.
+    closing = threading.Thread(target=t1.close)
+    closing.start()
     for i in range(3):
         np.testing.assert_array_equal(recv(r10, soon(kind)), pattern(1, i, 1000))
+    _close_seen_by_polling(r10, kind)  # as comm.group() sees it
     with pytest.raises(PeerGone, match="rank 1 closed") as e:
         r10.wait(soon(kind))
     assert (e.value.peer, e.value.transport) == (1, kind)
     with pytest.raises(PeerGone, match="rank 1"):
         for i in range(10_000):  # the first sends may fill free slots or kernel buffers
             send(s01, pattern(0, i, 10), soon(kind))
+    t0.close()
+    closing.join(30)
+    t1.close()
+    assert s10.ready() and r01.ready()  # closed here: acquire() / wait() raise at once
     with pytest.raises(Aborted, match="closed by this process"):
         s10.acquire(soon(kind))
+
+
+def _close_seen_by_polling(conn, kind) -> None:
+    """A caller that polls (comm.group()) learns of a closed peer: check() raises PeerGone, or
+    ready() says True so that the wait raises at once."""
+    deadline = soon(kind)
+    while time.monotonic() < deadline:  # a condition polled with a deadline, no sleep
+        try:
+            conn.check()
+        except PeerGone as e:
+            assert (e.peer, e.transport) == (1, kind)
+            return
+        if conn.ready():
+            return
+    raise AssertionError(f"{kind}: neither check() nor ready() saw the peer's close")
+
+
+@pytest.mark.timeout(60)
+def test_ready_is_true_exactly_when_a_call_would_not_wait(kind, links):
+    # comm.group() polls ready() and then calls acquire() / wait(), which must not block then.
+    _, _, s01, r01, _, _ = links
+    assert s01.ready() and not r01.ready()  # free slots, nothing posted
+    s01.check()
+    r01.check()  # a live peer: nothing to report
+    posted, deadline = 0, soon(kind, 2)
+    while s01.ready():  # run ahead until the sender's slots (and any buffers on the way) are full
+        send(s01, pattern(0, posted, SLOT[kind]), time.monotonic())  # ready: no wait, past deadline or not
+        posted += 1
+        assert posted < 10_000 and time.monotonic() < deadline, "ready() stayed True on a full FIFO"
+    for i in range(posted):
+        until = soon(kind)
+        while not r01.ready():  # posted slices arrive; polled with a deadline
+            assert time.monotonic() < until, f"slice {i} was posted but ready() never said so"
+        got = received(r01, r01.wait(time.monotonic()))
+        np.testing.assert_array_equal(got, pattern(0, i, SLOT[kind]))
+        r01.release()
+    assert not r01.ready()
+    until = soon(kind)
+    while not s01.ready():  # the released slots flow back
+        assert time.monotonic() < until, "the sender's slots never came back"
+    send(s01, pattern(0, 99, 5), time.monotonic())
+    np.testing.assert_array_equal(recv(r01, soon(kind)), pattern(0, 99, 5))
 
 
 def _held() -> tuple[int, int, list[str]]:
@@ -336,3 +385,50 @@ def test_liveness_sees_a_zombie():
     finally:
         child.wait(10)
     assert not pid_alive(child.pid)
+
+
+# ---- shm's hooks for compiled code ---------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_shm_hands_its_counters_to_a_compiled_loop(monkeypatch):
+    # Not part of every transport's contract: what ringcomm's native engine (engine_native.py)
+    # relies on. A loop that follows the FIFO protocol itself reads the words and slots at
+    # addresses(), keeps each end's count while it runs, and writes it back before it blocks in
+    # wait() / acquire() again; writing it back also ends the hold wait() / acquire() gave.
+    import ctypes
+    from ringcomm.transport import shm
+    monkeypatch.setenv("RINGCOMM_JOB_ID", f"conf{os.getpid()}")
+    store, made = HashStore(timeout=10), []
+    try:
+        for r in (0, 1):
+            made.append(make_transport("shm", LinkContext(rank=r, world_size=2, store=store, prefix="hooks",
+                                                          token="t", nslots=2, slot_bytes=4096)))
+        s01 = made[0].connect_send(1, soon("shm"))
+        name = s01.seg.path
+        assert not s01.settle() and os.path.exists(name)  # the receiver has not mapped it yet
+        r01 = made[1].connect_recv(0, soon("shm"))
+        assert s01.settle() and not os.path.exists(name)
+        (sw, s0), (rw, r0) = s01.addresses(), r01.addresses()
+        assert s0 - sw == shm.HDR
+        words = np.ctypeslib.as_array((ctypes.c_int64 * (shm.HDR // 8)).from_address(sw))
+        slots = np.ctypeslib.as_array((ctypes.c_uint8 * 8192).from_address(s0))
+        for k in range(5):  # 5 slices through 2 slots: Python blocks, the "loop" moves the data
+            s01.acquire(soon("shm"))            # a free slot (the loop would block here)
+            slots[(k % 2) * 4096:(k % 2) * 4096 + 3] = (k, k + 1, k + 2)
+            words[shm.SIZES + k % 2] = 3
+            words[shm.POSTED] = k + 1           # what the loop stores, after the data
+            s01.count = k + 1                   # and writes back before it blocks again
+            got = np.array(r01.wait(soon("shm")))
+            assert list(got) == [k, k + 1, k + 2]
+            words[shm.RELEASED] = k + 1         # the receiving loop releases the slot itself
+            r01.count = k + 1
+        send(s01, pattern(0, 9, 7), soon("shm"))  # and Python takes over where the loop stopped
+        np.testing.assert_array_equal(recv(r01, soon("shm")), pattern(0, 9, 7))
+        assert (s01.count, r01.count) == (6, 6)
+    finally:
+        for t in made:
+            t.close()
+    with pytest.raises(Aborted, match="closed by this process"):
+        s01.addresses()  # unmapped: compiled code must not get an address
+    assert s01.settle() and s01.ready() and r01.ready()
