@@ -53,7 +53,8 @@ class ReadEngine:
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
 
     def run(self, ex, sched, call) -> None:
-        """Run a "read" schedule (one round: the whole buffer) on registered buffers."""
+        """Run a "read" schedule (one round: the whole buffer) on registered buffers, or on plain ones
+        that the peers read by CMA (plain_read.py)."""
         words = self.reg.ctl.bytes.view(np.int64)
         words[DESC:DESC + 6] = (*self._where(call.inp), *self._where(call.out), call.inp.nbytes, call.out.nbytes)
         self.calls += 1
