@@ -58,7 +58,7 @@ class ReadEngine:
         words = self.reg.ctl.bytes.view(np.int64)
         words[DESC:DESC + 6] = (*self._where(call.inp), *self._where(call.out), call.inp.nbytes, call.out.nbytes)
         self.calls += 1
-        words[CALLS] = self.calls  # after the descriptor (x86 store order): peers may read it now
+        self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
         views: dict = {}
         fn = kernels.elementwise(call.op, call.inp.dtype)
         ex._call, ex._nsteps = call, len(sched.steps)
@@ -130,7 +130,7 @@ class ReadEngine:
             return got
         words = self.reg.peers[q, "ctl"].bytes.view(np.int64)
         doing = f"waiting for {call.name} #{call.seq} to start so as to read the registered buffer of"
-        self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex)
+        self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex, CALLS)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
         arr = call.inp if which == "in" else call.out
@@ -163,11 +163,11 @@ class ReadEngine:
         ex._waiting = None
 
     def _sync(self, ex, call, peers) -> None:
-        words, me = self.reg.ctl.bytes.view(np.int64), self.reg.rank
+        me = self.reg.rank
         for p in peers:  # arrive at every pair's barrier first, then wait: no order can deadlock
             self.syncs[p] += 1
-            words[SYNC + p] = self.syncs[p]
+            self.reg.publish(SYNC + p, self.syncs[p])
         for p in peers:
             theirs, want = self.reg.peers[p, "ctl"].bytes.view(np.int64), self.syncs[p]
             doing = f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"
-            self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex)
+            self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex, SYNC + me)

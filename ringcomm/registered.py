@@ -29,7 +29,9 @@ import time
 import numpy as np
 
 from ringcomm.kernels import host as kernels
-from ringcomm.transport.base import PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key
+from ringcomm.transport import futex
+from ringcomm.transport.base import (PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key,
+                                     waits_for_my_cpu)
 
 from . import plain_read
 from .buffers import address
@@ -269,21 +271,26 @@ class Registry:
         """Run a "read" schedule on registered buffers (the executor's hook)."""
         self.engine.run(ex, sched, call)
 
-    def wait(self, peer: int, ready, explain, ex=None) -> None:
+    def wait(self, peer: int, ready, explain, ex=None, word: int | None = None) -> None:
         """Spin, yield, sleep (transport Backoff) until ready(); abort, liveness, watchdog, deadline
         as in transport/shm.py; explain(error) is what is raised (the executor's messages in a call).
-        ``ex``: the executor, told where this rank waits (for the watchdog's table)."""
+        ``ex``: the executor, told where this rank waits (for the watchdog's table). ``word``: the
+        index of the peer's control word that ready() reads; the sleep is then a futex on it, which
+        the peer's store ends (publish())."""
         if ready():
             return
         t0 = time.monotonic()
         if ex is not None:
             ex._waiting = (peer, "sync", 0, t0)
-        backoff, deadline, patrol = Backoff(self.ctx.spins), t0 + self.timeout, t0 + PATROL_PERIOD
         ctl = self.peers[peer, "ctl"].bytes.view(np.int64)
+        backoff = Backoff(self.ctx.spins, None if word is None else self._sleeper(ctl, word, ready))
+        deadline, patrol = t0 + self.timeout, t0 + PATROL_PERIOD
         while not ready():
             backoff()
             if backoff.n & 63:
                 continue
+            if backoff.n == 64 and backoff.spins > 64 and waits_for_my_cpu(int(ctl[PID])):
+                backoff.n = backoff.spins   # the peer waits for this CPU: stop polling, yield it now
             try:
                 if self.ctx.abort is not None and self.ctx.abort.is_set():
                     raise Aborted("aborted", peer=peer, transport="shm")
@@ -302,6 +309,22 @@ class Registry:
                 raise explain(e) from None
         if ex is not None:
             ex._waiting = None
+
+    @staticmethod
+    def _sleeper(ctl, word: int, ready):
+        addr = address(ctl) + 8 * word
+
+        def block(seconds: float) -> None:
+            seen = int(ctl[word])  # a store after this read fails the kernel's compare: no lost wake
+            if not ready():
+                futex.wait(addr, seen, seconds)
+        return block
+
+    def publish(self, word: int, value: int) -> None:
+        """Store ``value`` in this rank's control word ``word`` and wake a peer asleep on it: always
+        (one syscall, no waiter flag), so no wake-up can be missed whatever the store order."""
+        self.ctl.bytes.view(np.int64)[word] = value
+        futex.wake(self.ctl.base + 8 * word)
 
     def leave(self) -> None:
         """Tell the peers this rank takes no more part (a failure or abort): their waits on it end."""
