@@ -38,10 +38,16 @@ from ringcomm.transport.cuda_rt import CudaError
 CLOSE_GRACE = 5.0       # how long a closing link lets the proxy post what its GPU finished
 
 
+def _detailed(e: TransportError, detail: str) -> TransportError:
+    """``detail``: what the executor adds to a timeout's message (it names ranks, call and transport itself)."""
+    e.detail = detail
+    return e
+
+
 def _fresh(e: BaseException) -> BaseException:
     """A new instance of a kept error (raising one object twice piles up its tracebacks)."""
     if isinstance(e, TransportError):
-        return type(e)(str(e), peer=e.peer, transport=e.transport)
+        return _detailed(type(e)(str(e), peer=e.peer, transport=e.transport), getattr(e, "detail", ""))
     if isinstance(e, CudaError):
         return CudaError(e.call, e.error, e.code)
     return e
@@ -89,12 +95,22 @@ class Proxy:
                     raise Aborted(f"rank {self.rank}: abort requested while waiting for {what} over "
                                   f"{link.transport}", peer=link.peer, transport=link.transport)
                 if now > deadline:
-                    raise PeerTimeout(f"rank {self.rank} (this process) timed out waiting for {what} over "
-                                      f"{link.transport}", peer=link.peer, transport=link.transport)
+                    behind = self._behind(now)
+                    raise _detailed(PeerTimeout(f"rank {self.rank} (this process) timed out waiting for {what} "
+                                                f"over {link.transport}{'; ' + behind if behind else ''}",
+                                                peer=link.peer, transport=link.transport), behind)
                 self.cv.wait(min(deadline - now, 0.05))
                 if self.watchdog is not None and time.monotonic() >= next_patrol:
                     self.watchdog()
                     next_patrol = time.monotonic() + PATROL_PERIOD
+
+    def _behind(self, now: float) -> str:
+        """What the GPU still owes the proxy (with cv held): a slow GPU here may be why the peer is late."""
+        queued = [item[2] - self.timeout for link in self.links for item in link.queue]
+        if not queued:
+            return ""
+        return (f"meanwhile this rank's GPU has not finished its work on {len(queued)} slot(s) handed to the "
+                f"proxy, the oldest queued {now - min(queued):.1f} s ago")
 
     def give(self, link, item) -> None:
         """Hand back a slot with the event recorded after the GPU work on it: the proxy finishes it."""

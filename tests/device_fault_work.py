@@ -111,7 +111,7 @@ def device_checks(comm) -> list[str]:
         rt.set_device(1)                                # another GPU current in this thread
         rt.calls.clear()
         comm.all_reduce(x)
-        result["during"] = {dev for call, dev in rt.calls if call != "cudaSetDevice"}
+        result["during"] = {dev for call, dev, _ in rt.calls if call != "cudaSetDevice"}
         result["after"] = rt.get_device()
     t = threading.Thread(target=other_thread)
     t.start()

@@ -94,12 +94,17 @@ class _Staged:
             nbytes, event, deadline = self.queue[0]
             if not self.rt.event_done(event):
                 if now > deadline:
-                    raise PeerTimeout(f"this rank's GPU stream has not finished {self._gpu_work()} the slot of "
-                                      f"slice {self.sent} of this link to rank {self.peer} {self.proxy.timeout:g} s "
-                                      f"after the host queued it (the proxy waits on its event)", peer=self.peer,
-                                      transport=self.transport)
+                    why = (f"this rank's GPU stream has not finished {self._gpu_work()} the slot of slice "
+                           f"{self.sent} of this link {self.proxy.timeout:g} s after the host queued it (the "
+                           f"proxy waits on its event)")
+                    e = PeerTimeout(why, peer=self.peer, transport=self.transport)
+                    e.detail = why      # the executor's message names ranks, call and transport, then this
+                    raise e
                 break
-            self._finish(nbytes)        # a failure to post is the proxy's: data the caller handed over is lost
+            try:                        # a failure to post is the proxy's: data the caller handed over is lost
+                self._finish(nbytes)
+            except TransportError as e:
+                raise self._ours(e) from None
             self.sent += 1
             with self.proxy.cv:
                 self.queue.popleft()
@@ -111,6 +116,10 @@ class _Staged:
             self.conn.check()           # ibverbs probes the peer: a dead one fails the next ready()
         return moved
 
+    def _ours(self, e: TransportError) -> TransportError:
+        """The network connection's error, as this link's (its transport named "tcp+staged", ...)."""
+        return type(e)(str(e), peer=e.peer, transport=self.transport)
+
     def _take_ahead(self) -> bool:
         moved = False
         if isinstance(self, StagedSend) and not self.deadline:
@@ -120,7 +129,7 @@ class _Staged:
                 slot = self._next_slot()
             except TransportError as e:
                 with self.proxy.cv:
-                    self.error = e
+                    self.error = self._ours(e)
                 return True
             with self.proxy.cv:
                 self.ready.append(slot)
