@@ -194,7 +194,7 @@ class DevicePath:
             dev = self.rt.device_of(address(arr)) if arr.size else self.device
             if dev != self.device:
                 raise ValueError(f"{call.name} {what} is on cuda:{dev}, but this communicator runs on cuda:"
-                                 f"{self.device}, the device current at its first call on device buffers: "
+                                 f"{self.device}, the GPU of its first call's buffers: "
                                  f"one communicator, one GPU")
         caller = _stream_ptr(call.inp)
         dev = self.rt.stream_device(caller)

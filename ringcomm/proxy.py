@@ -76,33 +76,45 @@ class Proxy:
             self.cv.notify_all()
 
     def take(self, link, deadline: float, what: str):
-        """The next slot the proxy has ready on ``link`` (a network slot to fill, or an arrived slice)."""
-        with self.cv:
-            link.deadline = deadline
-            if not link.ready:
-                link.wanted = True
-                self.cv.notify_all()
-            next_patrol = time.monotonic() + PATROL_PERIOD
-            while True:
-                if self.error is not None:
-                    raise _fresh(self.error)
-                if link.ready:
-                    return link.ready.popleft()
-                if link.error is not None:
-                    raise _fresh(link.error)
-                now = time.monotonic()
-                if self.abort is not None and self.abort.is_set():
-                    raise Aborted(f"rank {self.rank}: abort requested while waiting for {what} over "
-                                  f"{link.transport}", peer=link.peer, transport=link.transport)
-                if now > deadline:
+        """The next slot the proxy has ready on ``link`` (a network slot to fill, or an arrived slice).
+
+        While none is ready the caller helps: if the proxy is not touching the connections right now, it
+        takes what the network has itself (never blocking, never asking the GPU), which saves the hand-off
+        to the proxy and back on every slice that arrives while the caller waits for it."""
+        link.deadline = deadline
+        pause, next_patrol = 0.0, time.monotonic() + PATROL_PERIOD
+        while True:
+            if self.error is not None:
+                raise _fresh(self.error)
+            if link.ready:                  # only this thread pops; appends come under self.lock
+                return link.ready.popleft()
+            if link.error is not None:
+                raise _fresh(link.error)
+            if self.lock.acquire(blocking=False):
+                try:
+                    link.take_ahead()
+                finally:
+                    self.lock.release()
+                if link.ready or link.error is not None:
+                    continue
+            now = time.monotonic()
+            if self.abort is not None and self.abort.is_set():
+                raise Aborted(f"rank {self.rank}: abort requested while waiting for {what} over "
+                              f"{link.transport}", peer=link.peer, transport=link.transport)
+            if now > deadline:
+                with self.cv:
                     behind = self._behind(now)
-                    raise _detailed(PeerTimeout(f"rank {self.rank} (this process) timed out waiting for {what} "
-                                                f"over {link.transport}{'; ' + behind if behind else ''}",
-                                                peer=link.peer, transport=link.transport), behind)
-                self.cv.wait(min(deadline - now, 0.05))
-                if self.watchdog is not None and time.monotonic() >= next_patrol:
-                    self.watchdog()
-                    next_patrol = time.monotonic() + PATROL_PERIOD
+                raise _detailed(PeerTimeout(f"rank {self.rank} (this process) timed out waiting for {what} "
+                                            f"over {link.transport}{'; ' + behind if behind else ''}",
+                                            peer=link.peer, transport=link.transport), behind)
+            with self.cv:
+                link.wanted = True
+                self.cv.notify_all()        # the proxy polls while a caller wants something
+                self.cv.wait(min(pause, deadline - now))
+            pause = min(max(2 * pause, 1e-5), 1e-3)
+            if self.watchdog is not None and time.monotonic() >= next_patrol:
+                self.watchdog()
+                next_patrol = time.monotonic() + PATROL_PERIOD
 
     def _behind(self, now: float) -> str:
         """What the GPU still owes the proxy (with cv held): a slow GPU here may be why the peer is late."""

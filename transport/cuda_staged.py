@@ -111,7 +111,7 @@ class _Staged:
                 self.spare.append(event)
             moved = True
         if self.error is None:
-            moved |= self._take_ahead()
+            moved |= self.take_ahead()
         if patrol and self.error is None and self.busy():
             self.conn.check()           # ibverbs probes the peer: a dead one fails the next ready()
         return moved
@@ -120,8 +120,12 @@ class _Staged:
         """The network connection's error, as this link's (its transport named "tcp+staged", ...)."""
         return type(e)(str(e), peer=e.peer, transport=self.transport)
 
-    def _take_ahead(self) -> bool:
+    def take_ahead(self) -> bool:
+        """Take free slots (send) or arrived slices (recv) from the network connection while it has them;
+        the proxy's, or a waiting caller's while the proxy is not touching the connections."""
         moved = False
+        if self.error is not None:
+            return False
         if isinstance(self, StagedSend) and not self.deadline:
             return False                # its first acquire connects (ibverbs): only once a call needs it
         while len(self.ready) + len(self.queue) < self.nslots and self.conn.ready():
