@@ -23,6 +23,9 @@ and its links closed) naming the CUDA call and its error. The CUDA runtime is ri
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from ringcomm.transport import cuda_rt
 from ringcomm.transport.cuda_rt import CudaError
 
@@ -34,6 +37,11 @@ from .executor import Executor
 from .proxy import Proxy
 
 DEFAULT_CUDA_BUFFSIZE = 64 * 1024 * 1024
+
+
+def _info(msg: str) -> None:
+    if "info" in os.environ.get("RINGCOMM_DEBUG", "").lower().split(","):
+        sys.stderr.write(f"ringcomm: {msg}\n")
 
 
 class DeviceError(RingcommError):
@@ -94,6 +102,7 @@ class DeviceLinks:
     def __init__(self, links, slot_bytes: int, stream: int, proxy):
         self.links, self.slot_bytes, self.stream, self.proxy = links, slot_bytes, stream, proxy
         self.conns: dict = {}
+        self.gpudirect: str | None = None
 
     @property
     def call(self):
@@ -110,8 +119,17 @@ class DeviceLinks:
             conn.stream = self.stream
             if hasattr(conn, "attach"):     # staged to another host: the proxy drives its network end
                 conn.attach(self.proxy)
+                _info(f"rank {self.links.ctx.rank} {'->' if direction == 'send' else '<-'} rank {peer}: "
+                      f"{conn.transport}, device slices staged through its registered host slots by the proxy "
+                      f"thread; {self._gpudirect()}")
             self.conns[(peer, direction)] = conn
         return conn
+
+    def _gpudirect(self) -> str:
+        if self.gpudirect is None:   # asked once per communicator
+            from ringcomm.transport.cuda_staged import gpudirect
+            self.gpudirect = gpudirect(cuda_rt.get(), cuda_rt.get().get_device())
+        return self.gpudirect
 
     def prepare(self, srcs, dsts) -> None:
         for p in sorted(dsts):       # sends first: the order that keeps connecting deadlock-free

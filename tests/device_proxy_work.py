@@ -2,6 +2,8 @@
 are "on another host" (RINGCOMM_TRANSPORT=tcp), staged by the proxy thread, on the fake runtime."""
 from __future__ import annotations
 
+import io
+import sys
 import threading
 import time
 
@@ -29,9 +31,14 @@ def ahead_of_a_slow_gpu(comm) -> dict:
     x = cuda.to_device(np.arange(COUNT, dtype=np.float32) + comm.rank)
     comm.barrier()
     rt.calls.clear()
-    t0 = time.monotonic()
-    comm.all_reduce(x)
-    returned = time.monotonic() - t0
+    captured, saved = io.StringIO(), sys.stderr           # RINGCOMM_DEBUG=info's lines, at connect
+    sys.stderr = captured
+    try:
+        t0 = time.monotonic()
+        comm.all_reduce(x)
+        returned = time.monotonic() - t0
+    finally:
+        sys.stderr = saved
     me = threading.current_thread().name
     queried = sorted({c for c, _, thread in list(rt.calls) if thread == me and c == "cudaStreamQuery"})
     proxy = sorted({c for c, _, thread in list(rt.calls) if thread.startswith("ringcomm-proxy")})
@@ -39,7 +46,7 @@ def ahead_of_a_slow_gpu(comm) -> dict:
     t1 = time.monotonic()
     rt.synchronize(0)
     gpu_after = time.monotonic() - t1
-    return {"returned_s": returned, "gpu_behind": behind, "caller_queried": queried, "proxy_calls": proxy,
+    return {"log": captured.getvalue(), "returned_s": returned, "gpu_behind": behind, "caller_queried": queried, "proxy_calls": proxy,
             "gpu_after_s": gpu_after, "right": bool(np.array_equal(x.copy_to_host(), _want(comm.world_size)))}
 
 

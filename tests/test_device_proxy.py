@@ -31,11 +31,13 @@ def _env(monkeypatch):
 
 @pytest.mark.timeout(120)
 def test_the_caller_runs_ahead_of_a_slow_gpu_and_closes_with_slices_in_flight():
-    with World(2, ENV, timeout=30) as w:
+    with World(2, {**ENV, "RINGCOMM_DEBUG": "info"}, timeout=30) as w:
         w.run(work.install_slow, SLOW)
         res = w.run(work.ahead_of_a_slow_gpu, timeout=90)
         for r in res:
             assert r["right"], res
+            assert "tcp+staged, device slices staged through its registered host slots by the proxy" in r["log"], r
+            assert "GPUDirect RDMA not available" in r["log"] and "not used" in r["log"], r["log"]
             assert r["gpu_behind"] and r["gpu_after_s"] > 2 * SLOW, res    # returned before the GPU was done
             assert r["caller_queried"] == [], res       # the caller's thread never polled a stream ...
             assert "cudaEventQuery" in r["proxy_calls"], res               # ... the proxy watched the events

@@ -213,24 +213,25 @@ def staged(conn, direction: str, name: str):
 
 def gpudirect(rt, device: int) -> str:
     """Whether the NIC could register this GPU's memory (GPUDirect RDMA), in words. Detection only: ringcomm
-    stages through host memory either way, and the direct path is untested here (no GPU, no such NIC)."""
-    ways = []
-    for module in ("nvidia_peermem", "nv_peer_mem"):
-        if glob.glob(f"/sys/module/{module}"):
-            ways.append(f"the {module} kernel module is loaded")
+    stages through host memory either way, and the direct path is untested here (no GPU, no such NIC).
+    Two ways exist: a peer-memory kernel module (nvidia_peermem, or the older nv_peer_mem), or dma-buf (the
+    GPU exports its memory, CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, and rdma-core registers it:
+    pyverbs.mr.DmaBufMR, ibv_reg_dmabuf_mr)."""
+    ways = [f"the {m} kernel module is loaded" for m in ("nvidia_peermem", "nv_peer_mem")
+            if glob.glob(f"/sys/module/{m}")]
+    notes = []
     try:
         dmabuf = rt.dmabuf_supported(device)
     except cuda_rt.CudaError as e:
-        dmabuf = None
-        ways.append(f"(the dma-buf query failed: {e})")
+        dmabuf = False
+        notes.append(f"the dma-buf query failed: {e}")
     if dmabuf:
         try:
-            from pyverbs.mr import DmaBufMR  # noqa: F401 - present in rdma-core >= 34
-            ways.append("dma-buf: the GPU exports it (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED) and pyverbs has "
-                        "DmaBufMR")
+            from pyverbs.mr import DmaBufMR  # noqa: F401 - rdma-core >= 34
+            ways.append("dma-buf: the GPU exports its memory and pyverbs has DmaBufMR")
         except ImportError:
-            ways.append("dma-buf: the GPU exports it, but this pyverbs has no DmaBufMR")
-    able = any(not w.startswith(("(", "dma-buf: the GPU exports it, but")) for w in ways)
-    verdict = "possible" if able else "not available"
-    detail = "; ".join(ways) if ways else "no nvidia_peermem / nv_peer_mem module, no dma-buf export"
-    return f"GPUDirect RDMA {verdict} ({detail}); not used: device slices are staged through pinned host memory"
+            notes.append("the GPU exports dma-bufs, but this pyverbs has no DmaBufMR")
+    verdict = f"possible ({'; '.join(ways)})" if ways else "not available (no nvidia_peermem / nv_peer_mem " \
+        "module loaded, no dma-buf export the NIC could register)"
+    extra = f" [{'; '.join(notes)}]" if notes else ""
+    return f"GPUDirect RDMA {verdict}{extra}; not used: device slices are staged through pinned host memory"
