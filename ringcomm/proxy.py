@@ -62,6 +62,7 @@ class Proxy:
         self.links: list = []
         self.error: BaseException | None = None     # the first failure of the thread's own work
         self._stop = False
+        self._flush_by: float | None = None         # when closing links stop waiting for the proxy
         self._thread: threading.Thread | None = None
 
     # ---- the caller's side ------------------------------------------------------------------------
@@ -132,9 +133,12 @@ class Proxy:
 
     def detach(self, link, flush: bool) -> None:
         """Stop serving ``link``; first (``flush``) let the proxy finish what was handed to it, within
-        CLOSE_GRACE and unless a failure or an abort makes that pointless."""
-        deadline = time.monotonic() + CLOSE_GRACE
+        CLOSE_GRACE (one window for all the links a close detaches) and unless a failure or an abort makes
+        that pointless."""
         with self.cv:
+            if self._flush_by is None:
+                self._flush_by = time.monotonic() + CLOSE_GRACE
+            deadline = self._flush_by
             while flush and link.queue and self.error is None and link.error is None and self.alive() \
                     and not (self.abort is not None and self.abort.is_set()) and time.monotonic() < deadline:
                 self.cv.wait(0.01)
