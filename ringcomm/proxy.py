@@ -109,8 +109,9 @@ class Proxy:
                                             f"over {link.transport}{'; ' + behind if behind else ''}",
                                             peer=link.peer, transport=link.transport), behind)
             with self.cv:
-                link.wanted = True
-                self.cv.notify_all()        # the proxy polls while a caller wants something
+                if not link.wanted:         # the proxy polls while a caller wants something: wake it once
+                    link.wanted = True
+                    self.cv.notify_all()
                 self.cv.wait(min(pause, deadline - now))
             pause = min(max(2 * pause, 1e-5), 1e-3)
             if self.watchdog is not None and time.monotonic() >= next_patrol:
