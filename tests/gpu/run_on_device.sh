@@ -77,7 +77,7 @@ stage() {
 
 PYTEST=("$PY" -m pytest -p no:cacheprovider -m gpu -rs -q)
 stage C0 45  "$PY" tests/gpu/stage_c0_ipc.py
-stage C1 60  "${PYTEST[@]}" tests/gpu/test_gpu_stages.py -k c1 -s
+stage C1 80  "${PYTEST[@]}" tests/gpu/test_gpu_stages.py -k c1 -s
 stage C2 90  "${PYTEST[@]}" tests/gpu/test_gpu_kernels.py
 stage C3 90  bash -c "'$PY' tests/gpu/bench_device.py --ranks 2 4 --sizes 1MiB 16MiB 256MiB 1GiB && \
                       NUMBA_ENABLE_CUDASIM=1 '$PY' tests/gpu/host_overhead.py"
