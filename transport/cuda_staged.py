@@ -40,7 +40,7 @@ class _Staged:
         self.peer, self.slot_bytes, self.transport = conn.peer, conn.slot_bytes, name
         self.nslots = conn.ctx.nslots
         self.proxy = None
-        self.views: dict = {}        # host slot address -> (its host array, its device view), registered once
+        self.views: dict = {}        # host slot address -> (host array, device view, owner), registered once
         self.typed_views: dict = {}  # (address, dtype) -> typed view
         self.current = None          # the address of the slot in the caller's hands
         self.ready: collections.deque = collections.deque()  # the proxy's slots for the caller, oldest first
@@ -64,7 +64,8 @@ class _Staged:
         at = data.__array_interface__["data"][0]
         if at not in self.views:
             host = np.frombuffer((ctypes.c_uint8 * self.slot_bytes).from_address(at), np.uint8)
-            self.views[at] = (host, self.rt.view(self.rt.host_register(host), self.slot_bytes, host))
+            # ``data`` (the connection's own view) keeps the memory alive; ``host`` (all of the slot) does not
+            self.views[at] = (host, self.rt.view(self.rt.host_register(host), self.slot_bytes, host), data)
         self.current = at
 
     def typed(self, dtype, k: int):
@@ -149,7 +150,7 @@ class _Staged:
             self.proxy.detach(self, flush=isinstance(self, StagedSend))
         drained = cuda_rt.drain(self.rt, self.stream, time.monotonic() + 1.0)
         if drained:
-            for slot, _ in self.views.values():
+            for slot, _, _ in self.views.values():
                 try:
                     self.rt.host_unregister(slot)
                 except cuda_rt.CudaError:
@@ -160,7 +161,7 @@ class _Staged:
                 except cuda_rt.CudaError:
                     pass
         else:
-            _kept.append([slot for slot, _ in self.views.values()])
+            _kept.append([owner for _, _, owner in self.views.values()])   # tcp's array, ibverbs' mmap stay
         self.conn.close()
         self.views.clear()
         self.typed_views.clear()
