@@ -181,7 +181,8 @@ class Proxy:
                     self.cv.wait(PATROL_PERIOD)
                     pause = 0.0
                     continue
-            moved = self._round(patrol := time.monotonic() >= next_patrol)
+            patrol = time.monotonic() >= next_patrol    # time for ibverbs' liveness probes
+            moved = self._round(patrol)
             if patrol:
                 next_patrol = time.monotonic() + PATROL_PERIOD
             if moved:
