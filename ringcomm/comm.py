@@ -337,7 +337,7 @@ class Communicator:
         progress token (every call does: ringcomm/progress.py), so abort() cannot close the links
         under it."""
         if engine is None:
-            engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path()
+            engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path(call)
         if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
             self._close_links()
             raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
@@ -362,10 +362,10 @@ class Communicator:
         if self._registry is not None:
             self._registry.leave()
 
-    def _device_path(self):
+    def _device_path(self, first=None):
         if self._device is None:
             from .device import DevicePath
-            self._device = DevicePath(self._links, self._executor)
+            self._device = DevicePath(self._links, self._executor, first)
         return self._device
 
     def _next_seq(self) -> int:

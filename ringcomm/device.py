@@ -1,7 +1,8 @@
 """Collectives on device buffers: the same schedules and executor, with kernels and copies on a GPU stream.
 
 A communicator makes its DevicePath at its first call on device buffers (see ringcomm/buffers.py), bound
-to the GPU current at that moment: one communicator, one GPU. The path owns:
+to the GPU that holds that call's buffer (the current one, for an empty buffer): one communicator, one GPU,
+whichever thread runs the call (an async call's runs on the progress thread). The path owns:
 
 - a CUDA stream of ringcomm's own. Every kernel and copy of a device call, and the cuda_ipc connections'
   flag waits and writes, are queued on it, in the order the executor issues them;
@@ -11,6 +12,8 @@ to the GPU current at that moment: one communicator, one GPU. The path owns:
   stream; at the end, *if the call succeeded*, the caller's stream waits for one recorded on ours. A call
   that raised never chains the caller's stream to work that may never finish. The host never waits for
   the GPU: a result is ready on the caller's stream when the call returns;
+- the proxy thread (proxy.py), started at the first peer on another host: it posts and releases the
+  network slots the GPU reads and writes, once their events complete (transport/cuda_staged.py);
 - the progress watch (device_watch.py): the end-of-call event is kept and queried at later calls and at
   close; one the GPU has not passed within RINGCOMM_TIMEOUT raises, naming the flag the stream waits on.
 
@@ -20,6 +23,9 @@ and its links closed) naming the CUDA call and its error. The CUDA runtime is ri
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from ringcomm.transport import cuda_rt
 from ringcomm.transport.cuda_rt import CudaError
 
@@ -28,8 +34,14 @@ from .device_watch import ProgressWatch
 from .env import env_number
 from .errors import RingcommError
 from .executor import Executor
+from .proxy import Proxy
 
 DEFAULT_CUDA_BUFFSIZE = 64 * 1024 * 1024
+
+
+def _info(msg: str) -> None:
+    if "info" in os.environ.get("RINGCOMM_DEBUG", "").lower().split(","):
+        sys.stderr.write(f"ringcomm: {msg}\n")
 
 
 class DeviceError(RingcommError):
@@ -84,11 +96,13 @@ class DeviceSteps:
 
 
 class DeviceLinks:
-    """The executor's view of the communicator's links for device calls: cuda_ipc, on our stream."""
+    """The executor's view of the communicator's links for device calls: cuda_ipc to peers on this host, the
+    network staged by the proxy thread to the others, all on our stream."""
 
-    def __init__(self, links, slot_bytes: int, stream: int):
-        self.links, self.slot_bytes, self.stream = links, slot_bytes, stream
+    def __init__(self, links, slot_bytes: int, stream: int, proxy):
+        self.links, self.slot_bytes, self.stream, self.proxy = links, slot_bytes, stream, proxy
         self.conns: dict = {}
+        self.gpudirect: str | None = None
 
     @property
     def call(self):
@@ -103,8 +117,19 @@ class DeviceLinks:
         if conn is None:
             conn = self.links.device(peer, direction, self.slot_bytes)
             conn.stream = self.stream
+            if hasattr(conn, "attach"):     # staged to another host: the proxy drives its network end
+                conn.attach(self.proxy)
+                _info(f"rank {self.links.ctx.rank} {'->' if direction == 'send' else '<-'} rank {peer}: "
+                      f"{conn.transport}, device slices staged through its registered host slots by the proxy "
+                      f"thread; {self._gpudirect()}")
             self.conns[(peer, direction)] = conn
         return conn
+
+    def _gpudirect(self) -> str:
+        if self.gpudirect is None:   # asked once per communicator
+            from ringcomm.transport.cuda_staged import gpudirect
+            self.gpudirect = gpudirect(cuda_rt.get(), cuda_rt.get().get_device())
+        return self.gpudirect
 
     def prepare(self, srcs, dsts) -> None:
         for p in sorted(dsts):       # sends first: the order that keeps connecting deadlock-free
@@ -120,18 +145,26 @@ def _stream_ptr(arr) -> int:
 
 
 class DevicePath:
-    def __init__(self, links, host: Executor):
+    def __init__(self, links, host: Executor, first=None):
+        """Bound to the GPU that holds the buffer of ``first``, the first device call (the one current in
+        this thread if it is empty): the call may run on the progress thread, whose current device says
+        nothing about the caller's."""
         from ringcomm.kernels import device as kernels
         self.rank, self.rt = host.rank, cuda_rt.get()
         try:
-            self.device = self.rt.get_device()
-            self.stream = self.rt.stream_create()
-            self.start = self.rt.event_create()
-            self.steps = DeviceSteps(kernels, self.rt, self.stream)
+            if first is not None and first.inp.size:
+                self.device = self.rt.device_of(address(first.inp))
+            else:
+                self.device = self.rt.get_device()
+            with cuda_rt.on_device(self.rt, self.device):
+                self.stream = self.rt.stream_create()
+                self.start = self.rt.event_create()
+                self.steps = DeviceSteps(kernels, self.rt, self.stream)
         except CudaError as e:
             raise DeviceError(f"rank {self.rank} (this process) could not set up its device path: {e}", e) from None
         slot_bytes = cuda_slot_bytes(host.nslots)
-        self.links = DeviceLinks(links, slot_bytes, self.stream)
+        self.proxy = Proxy(self.rt, self.device, host.rank, host.timeout, links.ctx.abort, links.ctx.watchdog)
+        self.links = DeviceLinks(links, slot_bytes, self.stream, self.proxy)
         self.executor = Executor(host.rank, host.world_size, self.links, host.timeout, slot_bytes, host.nslots)
         self.executor.watchdog = host.watchdog
         self.watch = ProgressWatch(self.rt, host.rank, host.timeout, self.links, links.ctx.abort)
@@ -179,7 +212,7 @@ class DevicePath:
             dev = self.rt.device_of(address(arr)) if arr.size else self.device
             if dev != self.device:
                 raise ValueError(f"{call.name} {what} is on cuda:{dev}, but this communicator runs on cuda:"
-                                 f"{self.device}, the device current at its first call on device buffers: "
+                                 f"{self.device}, the GPU of its first call's buffers: "
                                  f"one communicator, one GPU")
         caller = _stream_ptr(call.inp)
         dev = self.rt.stream_device(caller)
@@ -195,6 +228,7 @@ class DevicePath:
     def close(self) -> None:
         """After the links (whose close drains our stream, releasing what it waits on): drop the events and
         the stream if the stream has drained by the deadline, else leave them (never block past it)."""
+        self.proxy.close()
         with cuda_rt.on_device(self.rt, self.device, quiet=True):
             drained = self.watch.close(self.stream)
             try:

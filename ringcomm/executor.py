@@ -244,6 +244,8 @@ class Executor:
         if isinstance(e, PeerTimeout):
             kind, state = CollectiveTimeout, "timed out"
             msg = f"{me} timed out after {self.timeout:g} s {doing} rank {e.peer} over {e.transport}"
+            if getattr(e, "detail", ""):  # what else this rank waited on (the device proxy's GPU work)
+                msg += f"; {e.detail}"
         elif isinstance(e, Aborted):
             kind, state = RingcommError, "aborted"
             msg = f"{me} was aborted {doing} rank {e.peer} over {e.transport}"

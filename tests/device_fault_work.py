@@ -111,7 +111,7 @@ def device_checks(comm) -> list[str]:
         rt.set_device(1)                                # another GPU current in this thread
         rt.calls.clear()
         comm.all_reduce(x)
-        result["during"] = {dev for call, dev in rt.calls if call != "cudaSetDevice"}
+        result["during"] = {dev for call, dev, _ in rt.calls if call != "cudaSetDevice"}
         result["after"] = rt.get_device()
     t = threading.Thread(target=other_thread)
     t.start()
@@ -203,3 +203,38 @@ def call_then_wait_for_the_gpu(comm) -> dict:
         return {"drained_s": drained, "next": None}
     except RingcommError as e:
         return {"drained_s": drained, "next": f"{type(e).__name__}: {e}"}
+
+
+def async_first_call_and_groups(comm) -> list[str]:
+    """The first device call is async, from a thread with cuda:1 current, on a buffer on cuda:1: the path binds
+    to cuda:1 although the call runs on the progress thread, whose current device is cuda:0, and every CUDA
+    call runs with cuda:1 current. Then device buffers inside comm.group() are refused clearly, before
+    anything moves, and the communicator stays usable."""
+    from numba import cuda
+    rt, errors = fake_cuda.current(), []
+    rt.set_device(1)
+    y = cuda.to_device(np.ones(64, np.float32))
+    rt.pointer_device[y._ary.__array_interface__["data"][0]] = 1
+    rt.calls.clear()
+    comm.all_reduce(y, async_op=True).wait()
+    # cudaPointerGetAttributes (which GPU holds the buffer: how the path binds) works whatever is current
+    skip = ("cudaSetDevice", "cudaPointerGetAttributes")
+    ran = {dev for call, dev, thread in rt.calls if call not in skip and thread != "fake-gpu"}
+    if comm._device.device != 1 or ran != {1}:
+        errors.append(f"bound to cuda:{comm._device.device}, CUDA calls with devices {ran} current: "
+                      f"{[c for c in rt.calls if c[1] != 1 and c[0] not in skip and c[2] != 'fake-gpu']}")
+    try:
+        with comm.group():
+            comm.all_reduce(np.ones(4, np.float32))
+            comm.all_reduce(y)
+        errors.append("a device buffer inside comm.group() was accepted")
+    except NotImplementedError as e:
+        if "device buffers inside comm.group()" not in str(e) or "outside the group" not in str(e):
+            errors.append(f"unclear refusal: {e}")
+    comm.all_reduce(y)                                  # still usable, on either kind of buffer
+    with comm.group():
+        comm.all_reduce(np.ones(4, np.float32))
+    rt.synchronize(0)
+    if not (y.copy_to_host() == 1).all():
+        errors.append(f"wrong result after the refusal: {y.copy_to_host()[:4]}")
+    return errors

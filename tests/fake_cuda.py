@@ -10,6 +10,7 @@ Faults, injected by a test:
 - ``fail(call, error, sticky=False)``: the next call whose name starts with ``call`` raises CudaError
   (sticky: every later call does too, as after a kernel fault);
 - ``freeze()``: the GPU stops running anything (a peer whose GPU never gets to write its flags);
+- ``delay``: seconds each kernel or copy takes (a slow GPU: events complete late);
 - ``capturing`` (a set of streams under graph capture), ``visible`` (bus ids this process can see),
   ``pointer_device`` (pointer -> device) for a buffer on another GPU.
 It also records what a real GPU would punish: ``violations`` lists every cudaFree / cudaIpcCloseMemHandle /
@@ -54,7 +55,7 @@ class FakeRuntime(Runtime):
     synchronous = False
     ipc = True
 
-    def __init__(self, devices: int = 2, mem_ops: bool = True):
+    def __init__(self, devices: int = 2, mem_ops: bool = True, delay: float = 0.0):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         self._fake, self.devices, self._mem_ops = FakeCUDAArray, devices, mem_ops
         self._tls = threading.local()
@@ -70,7 +71,8 @@ class FakeRuntime(Runtime):
         self.visible = {f"fake:{d}" for d in range(devices)}
         self.pointer_device: dict[int, int] = {}
         self.violations: list[str] = []
-        self.calls: list[tuple] = []           # (call, thread's current device) for the device checks
+        self.delay = delay
+        self.calls: list[tuple] = []           # (call, thread's current device, thread name)
         self._next = 1
         threading.Thread(target=self._gpu, daemon=True, name="fake-gpu").start()
 
@@ -82,7 +84,7 @@ class FakeRuntime(Runtime):
         self.frozen = True
 
     def _enter(self, call: str) -> None:
-        self.calls.append((call, self.get_device(quiet=True)))
+        self.calls.append((call, self.get_device(quiet=True), threading.current_thread().name))
         if self.sticky:
             raise CudaError(call, self.sticky)
         for f in self.failures:
@@ -267,7 +269,13 @@ class FakeRuntime(Runtime):
     # ---- work ---------------------------------------------------------------------------------------
     def launch(self, stream, fn, *args):
         self._enter(f"launching {getattr(fn, '__name__', fn)}")
-        self._queue(stream, lambda: fn(*args) or True)
+
+        def run():
+            if self.delay:
+                time.sleep(self.delay)
+            fn(*args)
+            return True
+        self._queue(stream, run)
 
     def wait_value(self, stream, flag, value):
         self._enter("cuStreamWaitValue64")

@@ -2,9 +2,10 @@
 
 A transport is a FIFO of slots per direction (transport/base.py). Whatever carries the bytes, it
 must move slices both ways at once, let a sender run ahead by its slots and then wait, explain
-misuse, meet deadlines with PeerTimeout, hear abort(), report a peer's close after its data, free
-what it holds on close, and see a killed peer as PeerGone long before the deadline -- also while
-the dead peer is a zombie that its parent has not reaped.
+misuse (tcp and ibverbs let a caller hold several slots, handed back in order), meet deadlines
+with PeerTimeout, hear abort(), say through ready() / check() what comm.group() polls, report a
+peer's close after its data, free what it holds on close, and see a killed peer as PeerGone long
+before the deadline -- also while the dead peer is a zombie that its parent has not reaped.
 
 Where a transport cannot run here the test is skipped with the reason: ibverbs needs pyverbs and an
 active RDMA port (.ci/rdma runs these tests in a Soft-RoCE guest: ``-m rdma``), cuda_ipc runs under
@@ -168,20 +169,38 @@ def test_sender_runs_ahead_then_waits_for_a_free_slot(kind, links):
     np.testing.assert_array_equal(recv(r01, soon(kind)), pattern(0, 7, 10))
 
 
+# tcp and ibverbs let a caller hold several slots at once, handed back oldest first (the device
+# path's proxy thread does, transport/base.py); shm and cuda_ipc, which the executor and the native
+# engine drive one slot at a time, refuse a second acquire() / wait() before post() / release().
+SEVERAL_HELD = {"tcp", "ibverbs"}
+
+
 @pytest.mark.timeout(60)
-def test_api_misuse_is_explained(kind, links):
+def test_api_misuse_is_explained_and_held_slots_go_in_order(kind, links):
     _, _, s01, r01, _, _ = links
     with pytest.raises(RuntimeError, match="without a slot"):
         s01.post(1)
-    s01.acquire(soon(kind))
-    with pytest.raises(RuntimeError, match="before post"):
+    if kind in SEVERAL_HELD:
+        a, b = s01.acquire(soon(kind)), s01.acquire(soon(kind))
+        assert a.ctypes.data != b.ctypes.data
+        a[:3], b[:3] = 1, 2
+        with pytest.raises(ValueError, match=f"0..{SLOT[kind]}"):
+            s01.post(SLOT[kind] + 1)
+        s01.post(3)  # the oldest held slot goes first
+        s01.post(3)
+        first, second = r01.wait(soon(kind)), r01.wait(soon(kind))
+        assert list(first) == [1, 1, 1] and list(second) == [2, 2, 2]
+        r01.release()
+    else:
         s01.acquire(soon(kind))
-    with pytest.raises(ValueError, match=f"0..{SLOT[kind]}"):
-        s01.post(SLOT[kind] + 1)
-    s01.post(3)
-    r01.wait(soon(kind))
-    with pytest.raises(RuntimeError, match="before release"):
+        with pytest.raises(RuntimeError, match="before post"):
+            s01.acquire(soon(kind))
+        with pytest.raises(ValueError, match=f"0..{SLOT[kind]}"):
+            s01.post(SLOT[kind] + 1)
+        s01.post(3)
         r01.wait(soon(kind))
+        with pytest.raises(RuntimeError, match="before release"):
+            r01.wait(soon(kind))
     r01.release()
     with pytest.raises(RuntimeError, match="without a slot"):
         r01.release()

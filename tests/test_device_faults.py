@@ -117,6 +117,13 @@ def test_one_gpu_whatever_the_thread_and_clear_refusals():
 
 
 @pytest.mark.timeout(60)
+def test_an_async_first_call_binds_the_buffers_gpu_and_groups_refuse_device_buffers():
+    with World(1, SIM, timeout=30) as w:
+        w.run(work.install)
+        assert w.run(work.async_first_call_and_groups, timeout=40) == [[]]
+
+
+@pytest.mark.timeout(60)
 def test_abort_interrupts_a_device_connect_and_the_error_names_the_collective():
     with World(2, SIM, timeout=30) as w:
         w.run(work.install)

@@ -10,7 +10,10 @@ Sender::                         Receiver::
     slot[:n] = payload                use(data)                    # e.g. reduce straight out of it
     conn.post(n)                      conn.release()
 
-At most one slot is held at a time on each side. Transports know nothing of
+The executor holds one slot at a time on each side. tcp and ibverbs also let a caller hold
+several (acquire / wait again before post / release; post / release then hand back the oldest,
+in order): the device path's proxy thread keeps slots in hand ahead of the GPU that fills or
+drains them (transport/cuda_staged.py). Transports know nothing of
 collectives; the executor above them turns their errors into messages that
 name the collective and the slice.
 """

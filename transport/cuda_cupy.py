@@ -80,6 +80,14 @@ class CupyRuntime(Runtime):
         return device == peer or bool(self._call("cudaDeviceCanAccessPeer", self.rt.deviceCanAccessPeer,
                                                  device, peer))
 
+    def dmabuf_supported(self, device):
+        """CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED (124), through the driver (the runtime names it only in
+        recent releases)."""
+        handle, value = ctypes.c_int(), ctypes.c_int()
+        self._drv("cuDeviceGet", ctypes.byref(handle), ctypes.c_int(device))
+        self._drv("cuDeviceGetAttribute", ctypes.byref(value), ctypes.c_int(124), handle)
+        return bool(value.value)
+
     def mem_ops(self):
         """Probe once: write a registered word from a stream and see it land (some virtualised drivers
         refuse stream memory operations; then the host synchronises instead)."""

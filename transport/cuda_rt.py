@@ -84,6 +84,11 @@ class Runtime:
     def can_access_peer(self, device: int, peer: int) -> bool:
         return True
 
+    def dmabuf_supported(self, device: int) -> bool:
+        """Whether the GPU can export its memory as a dma-buf a NIC may register (GPUDirect RDMA without
+        nvidia_peermem); only reported, see transport/cuda_staged.gpudirect."""
+        return False
+
     def mem_ops(self) -> bool:
         """Whether streams can wait on / write flag words (else the host synchronises, see cuda_ipc)."""
         return True

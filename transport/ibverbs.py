@@ -195,7 +195,7 @@ class IbSend(_Link, SendConnection):
             self._destroy()
             raise
         self.posted = 0
-        self.held = False
+        self.held = 0  # acquired, not posted yet: slices posted .. posted + held - 1
 
     def _connect(self, deadline: float) -> None:
         remote = self.t.lookup(self.ctx.rank, self.peer, "recv", deadline)
@@ -217,14 +217,12 @@ class IbSend(_Link, SendConnection):
     def _free(self) -> bool:
         credit = int(self.credit[0])
         return bool(credit & CLOSED_BIT or self.error is not None or
-                    (self.posted - credit < self.nslots and self.inflight < self.depth - 2))
+                    (self.posted + self.held - credit < self.nslots and self.inflight < self.depth - 2))
 
     def _can_probe(self) -> bool:
         return self.remote is not None
 
     def acquire(self, deadline: float) -> np.ndarray:
-        if self.held:
-            raise RuntimeError("acquire() called again before post()")
         if self.closed:
             raise self._closed_here("send connection to")
         if self.remote is None:
@@ -234,8 +232,8 @@ class IbSend(_Link, SendConnection):
             self._raise()
         if int(self.credit[0]) & CLOSED_BIT:
             raise self._peer_closed()
-        self.held = True
-        i = self.posted % self.nslots
+        i = (self.posted + self.held) % self.nslots
+        self.held += 1
         return self.slots.array[i * self.slot_bytes:(i + 1) * self.slot_bytes]
 
     def ready(self) -> bool:
@@ -255,7 +253,7 @@ class IbSend(_Link, SendConnection):
         self._write(DATA, self.slots, i * self.slot_bytes, nbytes, self.remote["addr"] + i * self.slot_bytes,
                     self.remote["rkey"], imm=(i << self.t.count_bits) | nbytes)
         self.posted += 1
-        self.held = False
+        self.held -= 1
 
     def _probe(self) -> None:  # a zero-byte write touches nothing but needs the peer's ack
         self._write(PROBE, self.slots, 0, 0, self.remote["addr"], self.remote["rkey"])
@@ -293,7 +291,7 @@ class IbRecv(_Link, RecvConnection):
         e = self.dev.pv.e
         self.full: collections.deque[tuple[int, int]] = collections.deque()
         self.arrived = self.released = 0
-        self.held: int | None = None
+        self.held: collections.deque[int] = collections.deque()  # slots wait() returned, oldest first
         self.peer_up = self.peer_closed = self.credit_dirty = False
         try:
             self.slots = self.region(self.nslots * self.slot_bytes,
@@ -335,15 +333,14 @@ class IbRecv(_Link, RecvConnection):
         return self.peer_up and not self.peer_closed
 
     def wait(self, deadline: float) -> np.ndarray:
-        if self.held is not None:
-            raise RuntimeError("wait() called again before release()")
         if self.closed:
             raise self._closed_here("receive connection from")
         self._wait(lambda: self.full or self.peer_closed or self.error is not None, deadline,
                    f"data from rank {self.peer}")
         if self.full:  # slices that arrived before an error or a close are still delivered
-            self.held, nbytes = self.full.popleft()
-            lo = self.held * self.slot_bytes
+            slot, nbytes = self.full.popleft()
+            self.held.append(slot)
+            lo = slot * self.slot_bytes
             return self.slots.array[lo:lo + nbytes]
         if self.error is not None:
             self._raise()
@@ -359,9 +356,9 @@ class IbRecv(_Link, RecvConnection):
         return bool(self.full or self.peer_closed or self.error is not None)
 
     def release(self) -> None:
-        if self.held is None:
+        if not self.held:
             raise RuntimeError("release() without a slot from wait()")
-        self.held = None
+        self.held.popleft()
         self.released += 1
         self._send_credit()
 

@@ -90,7 +90,7 @@ class _Link:
         self._slots = np.zeros((ctx.nslots, ctx.slot_bytes), dtype=np.uint8)
         self._free = collections.deque(range(ctx.nslots))
         self._full: collections.deque[tuple[int, int]] = collections.deque()
-        self._held: int | None = None
+        self._held: collections.deque[int] = collections.deque()  # in the caller's hands, oldest first
         self._error: Exception | None = None
         self._closed = False
         self._cv = threading.Condition()
@@ -138,14 +138,12 @@ class TcpSendConnection(_Link, SendConnection):
 
     def acquire(self, deadline: float) -> np.ndarray:
         with self._cv:
-            if self._held is not None:
-                raise RuntimeError("acquire() called again before post()")
             _wait(self._cv, lambda: self._free or self._error is not None, deadline, self.ctx,
                   self.peer, f"a free slot to send to rank {self.peer}")
             if self._error is not None:
                 self._raise()
-            self._held = self._free.popleft()
-            return self._slots[self._held]
+            self._held.append(self._free.popleft())
+            return self._slots[self._held[-1]]
 
     def ready(self) -> bool:
         return bool(self._free) or self._error is not None  # a lock-free peek: only we take slots
@@ -154,12 +152,11 @@ class TcpSendConnection(_Link, SendConnection):
         with self._cv:
             if self._error is not None:
                 self._raise()
-            if self._held is None:
+            if not self._held:
                 raise RuntimeError("post() without a slot from acquire()")
             if not 0 <= nbytes <= self.slot_bytes:
                 raise ValueError(f"post({nbytes}): a slot holds 0..{self.slot_bytes} bytes")
-            self._full.append((self._held, nbytes))
-            self._held = None
+            self._full.append((self._held.popleft(), nbytes))
             self._cv.notify_all()
 
     def _pump(self) -> None:
@@ -195,14 +192,13 @@ class TcpRecvConnection(_Link, RecvConnection):
 
     def wait(self, deadline: float) -> np.ndarray:
         with self._cv:
-            if self._held is not None:
-                raise RuntimeError("wait() called again before release()")
             _wait(self._cv, lambda: self._full or self._error is not None, deadline, self.ctx,
                   self.peer, f"data from rank {self.peer}")
             # Slices that arrived before an EOF are still delivered: the peer sent them.
             if self._full and not self._closed:
-                self._held, n = self._full.popleft()
-                return self._slots[self._held, :n]
+                slot, n = self._full.popleft()
+                self._held.append(slot)
+                return self._slots[slot, :n]
             self._raise()
 
     def ready(self) -> bool:
@@ -210,10 +206,9 @@ class TcpRecvConnection(_Link, RecvConnection):
 
     def release(self) -> None:
         with self._cv:
-            if self._held is None:
+            if not self._held:
                 raise RuntimeError("release() without a slot from wait()")
-            self._free.append(self._held)
-            self._held = None
+            self._free.append(self._held.popleft())
             self._cv.notify_all()
 
     def _pump(self) -> None:

@@ -218,6 +218,10 @@ class Schedule:
     # count as one message (one alpha), as MPI would send them; empty means "the step's depth
     # in the dataflow" (schedule/cost.py).
     stages: tuple = ()
+    # Whether it reads peers' registered buffers (comm.alloc) rather than using FIFOs: derived from
+    # the steps in __post_init__ (a value given is ignored), so the executor's per-call question
+    # costs an attribute read. A field, so that Schedule(**{**s.__dict__, "steps": ...}) works.
+    registered: bool = field(default=False, compare=False, repr=False)
 
     def peers(self) -> tuple[set[int], set[int]]:
         """(ranks this schedule receives from, ranks it sends to)."""
@@ -226,8 +230,6 @@ class Schedule:
         return srcs, dsts
 
     def __post_init__(self):
-        # ``registered``: whether it reads peers' registered buffers (comm.alloc) rather than using
-        # FIFOs. Known once here: the executor asks on every call.
         object.__setattr__(self, "registered", any(s.remote for s in self.steps))
 
     def __str__(self) -> str:

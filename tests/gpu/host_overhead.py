@@ -1,6 +1,6 @@
 """Host microseconds per device slice: ringcomm's own Python on the device path, with every CUDA call a no-op.
 
-    python tests/gpu/host_overhead.py [--ranks 2] [--calls 20] [--count 65536]
+    python tests/gpu/host_overhead.py [--ranks 2] [--calls 20] [--count 65536] [--transport tcp]
 
 Runs the device path under numba's CUDA simulator for its arrays, with a NULL device runtime installed in
 every rank (ringcomm.transport.cuda_rt.NullRuntime: no stream, event, copy or kernel does anything), so the
@@ -8,7 +8,10 @@ time left is the executor, the connections' counters, DeviceSteps and the runtim
 one entry of the executor's plan (one slot's worth of one step). Tiny device slots (RINGCOMM_CUDA_BUFFSIZE)
 make many slices per call. Prints, per collective, the slowest rank's median wall and CPU microseconds per
 slice. On a GPU the real runtime adds the cost of its calls (cupy's wrappers, numba's launch), which this
-does not see; the device check's stage C3 measures that.
+does not see; the device check's stage C3 measures that. ``--transport tcp`` (or ibverbs) makes every peer
+one "on another host" (RINGCOMM_TRANSPORT): the slices are then staged through the network transport's host
+slots by the communicator's proxy thread (transport/cuda_staged.py), and the figure is the caller's thread's
+share plus the proxy's, as wall time per slice.
 """
 from __future__ import annotations
 
@@ -78,13 +81,18 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--count", type=int, default=1 << 15, help="float32 elements per rank")
+    ap.add_argument("--transport", choices=("tcp", "ibverbs"), default=None,
+                    help="every peer staged over this network transport (default: cuda_ipc on this host)")
     args = ap.parse_args(argv)
+    if args.transport:
+        ENV["RINGCOMM_TRANSPORT"] = args.transport
     os.environ.update(ENV)
     from harness import World
     with World(args.ranks, ENV, timeout=120) as w:
         per_rank = w.run(rank_overhead, args.count, args.calls, timeout=600)
     print(f"host us per slice, NULL device runtime ({per_rank[0]['how']}), {args.ranks} ranks, "
           f"{args.count} float32 per rank, slot {int(ENV['RINGCOMM_CUDA_BUFFSIZE']) // 8} B, "
+          f"{('staged over ' + args.transport) if args.transport else 'cuda_ipc'}, "
           f"load {open('/proc/loadavg').read().split()[0]}")
     print(f"{'collective':<15}{'slices/call':>12}{'wall us/slice':>15}{'cpu us/slice':>14}")
     for coll in COLLECTIVES:

@@ -27,6 +27,20 @@ def test_c1_slot_protocol_under_lag():
 
 
 @pytest.mark.timeout(120)
+def test_c1_staged_over_tcp_under_lag():
+    """Every peer "on another host" (RINGCOMM_TRANSPORT=tcp): device slices go through the tcp connection's
+    registered host slots, posted by the proxy thread once the GPU's event for each has completed. Under the
+    lag a post that did not wait for its event would send stale bytes: bit-exact, or the ordering is wrong.
+    (Here the host cannot return before the lagging GPU: the peer needs its bytes over the network.)"""
+    with World(2, {**SMALL_FIFO, "RINGCOMM_TRANSPORT": "tcp"}, timeout=60) as w:
+        w.run(gpu_work.use_gpu, False)
+        res = w.run(gpu_work.lag, 1 << 20, 1, timeout=90)         # 4 MiB through 64 KiB slots
+        print(res)
+        assert all(r["wrong"] == 0 for r in res), res
+        assert all(r["slices"] >= 50 for r in res), res
+
+
+@pytest.mark.timeout(120)
 def test_c4_killed_rank_survivors_raise_and_close():
     with World(3, {**SMALL_FIFO, "RINGCOMM_TIMEOUT": "20"}, timeout=20) as w:
         w.run(gpu_work.use_gpu, False)
