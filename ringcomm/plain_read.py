@@ -33,7 +33,7 @@ from .env import env_number
 from .errors import RingcommError
 
 COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
-CMA_MIN_BYTES = 256 * 1024                  # measured crossover (README, "Single-copy reads of plain buffers")
+CMA_MIN_BYTES = 1 << 20                     # measured crossover (README, "Single-copy reads of plain buffers")
 
 
 def enabled() -> bool:
