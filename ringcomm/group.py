@@ -16,6 +16,10 @@ order). A member touches a connection only once every member before it has finis
 Collectives never wait for point-to-point traffic, and the point-to-point calls then run together,
 so no turn waits for ever.
 
+Collectives on registered buffers (comm.alloc, algorithm "read") use no FIFO: they run first, one
+after the other in issue order, each as it would alone (ringcomm/read_engine.py); every rank's group
+holds the same collectives in the same order, so every rank runs the same ones first.
+
 A wait has the communicator's timeout measured from the group's last progress; the error names
 the stalled members. Any failure fails the whole group (and, as everywhere, the communicator).
 """
@@ -100,7 +104,10 @@ class _Member:
 
 def run_group(executor, members) -> None:
     """Run ``members`` [(schedule, Call)] of one rank together; see the module docstring."""
-    members = [(s, c) for s, c in members if c.m > 0]
+    for sched, call in members:
+        if sched.registered and call.m > 0:
+            executor.run(sched, call)
+    members = [(s, c) for s, c in members if c.m > 0 and not s.registered]
     if not members:
         return
     srcs, dsts = set(), set()
