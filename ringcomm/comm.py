@@ -8,7 +8,7 @@ import threading
 
 import numpy as np
 
-from . import check, model, reproducible as repro, vcounts
+from . import check, model, plain_read, reproducible as repro, vcounts
 from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
@@ -177,11 +177,14 @@ class Communicator:
         process. With peers on other hosts (or one rank) it is an ordinary array."""
         if self._closed or self._broken is not None:
             self._next_seq()  # raises: the communicator is closed or unusable
+        return self._make_registry().alloc(shape, dtype)
+
+    def _make_registry(self):
         if self._registry is None:
             from .registered import Registry
             self._registry = self._executor.registered = Registry(self.rank, self.world_size, self._links,
                                                                   self.timeout)
-        return self._registry.alloc(shape, dtype)
+        return self._registry
 
     def transport_to(self, peer) -> str:
         """The transport that joins this rank to ``peer`` for host buffers: "shm" on this host,
@@ -267,9 +270,11 @@ class Communicator:
 
     def _run(self, collective, algo, x, y, m, op, root, nbytes, blocks=None):
         picked = self._pick_algo(collective, algo, nbytes)
-        if self._registry is not None or picked == READ:  # comm.alloc was called, or "read" asked for
-            # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
-            auto = self._forced_algo in ("", READ) and (algo is None or algo == self._forced_algo)
+        # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
+        auto = self._forced_algo in ("", READ) and (algo is None or algo == self._forced_algo)
+        if auto and self._registry is None and self.world_size > 1 and plain_read.wanted(collective, nbytes):
+            self._make_registry()  # plain buffers may take the read steps by CMA: settle probes once
+        if self._registry is not None or picked == READ:  # comm.alloc or a CMA candidate, or "read" asked for
             picked = settle(self._registry, collective, picked, auto, x, y, nbytes)
         algo = picked
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)

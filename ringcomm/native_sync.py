@@ -2,6 +2,7 @@
 
     load_acquire(addr)         the int64 at ``addr``, read with acquire ordering
     store_release(addr, v)     store int64 ``v`` at ``addr`` with release ordering
+    fence()                    a full (seq_cst) fence: no later load passes an earlier store
     cpu_pause()                x86 PAUSE: a spin-wait hint (yields the pipeline, not the core)
     cycles()                   the CPU's cycle counter (RDTSC): cheap time for compiled loops
     typed_ptr(addr, like)      ``addr`` as a pointer to ``like``'s element type, for numba.carray
@@ -24,19 +25,19 @@ import time
 
 _lock = threading.RLock()  # cycles_per_second() holds it while it calls intrinsics()
 _done = None
-load_acquire = store_release = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
+load_acquire = store_release = fence = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
+NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr")
 
 
 def intrinsics():
-    """(load_acquire, store_release, cpu_pause, cycles, typed_ptr), made once per process and
+    """(load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr), made once per process and
     also set as this module's globals, where jitted code finds them."""
     global _done
     if _done is None:
         with _lock:
             if _done is None:
                 made = _make()
-                globals().update(zip(("load_acquire", "store_release", "cpu_pause", "cycles", "typed_ptr"),
-                                     made))
+                globals().update(zip(NAMES, made))
                 _done = made
     return _done
 
@@ -67,6 +68,13 @@ def _make():
         return types.void(types.int64, types.int64), codegen
 
     @intrinsic
+    def fence(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.fence("seq_cst")   # MFENCE on x86, DMB ISH on aarch64
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    @intrinsic
     def cpu_pause(typingctx):
         def codegen(context, builder, sig, args):
             if x86:  # elsewhere an empty spin: correct, only less polite to the sibling hyperthread
@@ -92,7 +100,7 @@ def _make():
             return builder.inttoptr(args[0], context.get_value_type(ptr_type))
         return ptr_type(types.int64, like), codegen
 
-    return load_acquire, store_release, cpu_pause, cycles, typed_ptr
+    return load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr
 
 
 _hz = None

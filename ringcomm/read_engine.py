@@ -6,7 +6,9 @@ after what it announces, which x86's store order makes visible first, as transpo
 explains and checks) holds:
 
     CALLS        registered calls this rank has entered; the descriptor below belongs to the last
-    DESC..+3     where this call's input and output are: (allocation index, byte offset) each
+    DESC..+3     where this call's input and output are: (allocation index, byte offset) each;
+                 for a plain buffer (-1, its address in this process), read by CMA (plain_read.py)
+    DESC+4, +5   the input's and the output's byte counts
     SYNC + p     syncs this rank has reached with rank p (step kind "sync"), counted for the whole run
     PID, CLOSED  liveness, as in transport/shm.py; MAPPED: allocations whose peers this rank mapped
 
@@ -22,12 +24,19 @@ the communicator runs: the executor sends read schedules here before the native 
 """
 from __future__ import annotations
 
+import errno
+import time
+
 import numpy as np
 
 from ringcomm.kernels import host as kernels
 
+from ringcomm.transport.base import PeerGone
+from ringcomm.transport.cma import CmaError
+
 from .buffers import address
 from .errors import RingcommError
+from .plain_read import Remote
 from .schedule.step import chunk_span
 
 PID, CLOSED, CALLS, MAPPED, DESC, SYNC = 1, 2, 3, 4, 8, 16  # int64 word indices (word 0: magic)
@@ -44,11 +53,12 @@ class ReadEngine:
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
 
     def run(self, ex, sched, call) -> None:
-        """Run a "read" schedule (one round: the whole buffer) on registered buffers."""
+        """Run a "read" schedule (one round: the whole buffer) on registered buffers, or on plain ones
+        that the peers read by CMA (plain_read.py)."""
         words = self.reg.ctl.bytes.view(np.int64)
-        words[DESC:DESC + 4] = (*self.reg.locate(call.inp), *self.reg.locate(call.out))
+        words[DESC:DESC + 6] = (*self._where(call.inp), *self._where(call.out), call.inp.nbytes, call.out.nbytes)
         self.calls += 1
-        words[CALLS] = self.calls  # after the descriptor (x86 store order): peers may read it now
+        self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
         views: dict = {}
         fn = kernels.elementwise(call.op, call.inp.dtype)
         ex._call, ex._nsteps = call, len(sched.steps)
@@ -59,6 +69,10 @@ class ReadEngine:
                     self._sync(ex, call, step.remote)
                 else:
                     self._step(ex, sched, call, step, fn, views)
+
+    def _where(self, arr) -> tuple[int, int]:
+        """(allocation index, offset) of a registered buffer; (-1, address) of a plain one."""
+        return self.reg.locate(arr) or (-1, address(arr))
 
     def _step(self, ex, sched, call, step, fn, views) -> None:
         m, me = call.m, self.reg.rank
@@ -75,8 +89,14 @@ class ReadEngine:
             srcs = [call.inp[io:io + k] if q == me else self._view(ex, call, q, "in", views)[io:io + k]
                     for q in step.remote]
         if not step.reduces:
-            out[...] = srcs[0]
+            if isinstance(srcs[0], Remote):
+                self._cma_read(ex, call, srcs[0], out)
+            else:
+                out[...] = srcs[0]
             return
+        if any(isinstance(s, Remote) for s in srcs):  # settle never picks "read" for these on plain buffers
+            raise RingcommError(f"{call.name} #{call.seq}: a reducing read step needs registered buffers "
+                                f"(comm.alloc); plain buffers are read by CMA only in copy steps")
         mine = [i for i, q in enumerate(step.remote) if q == me]
         self._reduce(out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]))
         if step.final:
@@ -110,10 +130,18 @@ class ReadEngine:
             return got
         words = self.reg.peers[q, "ctl"].bytes.view(np.int64)
         doing = f"waiting for {call.name} #{call.seq} to start so as to read the registered buffer of"
-        self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex)
+        self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex, CALLS)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
         arr = call.inp if which == "in" else call.out
+        if k == -1:  # a plain buffer in q's own memory: read by CMA, straight into this rank's output
+            nbytes = int(words[DESC + 4 + (which == "out")])
+            got = views[q, which] = Remote(int(words[PID]), off, nbytes // arr.itemsize, arr.dtype, q)
+            if nbytes != arr.nbytes:
+                raise RingcommError(f"rank {self.reg.rank} (this process): rank {q}'s {which}put of {call.name} "
+                                    f"#{call.seq} has {nbytes} bytes, this rank's {arr.nbytes}: the ranks "
+                                    f"passed different sizes")
+            return got
         seg = self.reg.peers.get((q, k))
         if seg is None or off + arr.nbytes > seg.size:
             raise RingcommError(f"rank {self.reg.rank} (this process): rank {q}'s {which}put of {call.name} "
@@ -121,12 +149,25 @@ class ReadEngine:
         got = views[q, which] = seg.bytes[off:off + arr.nbytes].view(arr.dtype)
         return got
 
+    def _cma_read(self, ex, call, src: Remote, out) -> None:
+        t0 = time.monotonic()
+        ex._waiting = (src.peer, "read", 0, t0)
+        try:
+            src.copy_to(out)
+        except CmaError as e:
+            doing = f"reading (CMA) its buffer in {call.name} #{call.seq} from"
+            if e.errno == errno.ESRCH:  # the peer died: explained like any dead peer
+                raise ex._explain(PeerGone(f"rank {src.peer} (pid {src.pid}) died", peer=src.peer,
+                                           transport="shm"), doing) from None
+            raise RingcommError(f"rank {self.reg.rank} (this process) failed {doing} rank {src.peer}: {e}") from None
+        ex._waiting = None
+
     def _sync(self, ex, call, peers) -> None:
-        words, me = self.reg.ctl.bytes.view(np.int64), self.reg.rank
+        me = self.reg.rank
         for p in peers:  # arrive at every pair's barrier first, then wait: no order can deadlock
             self.syncs[p] += 1
-            words[SYNC + p] = self.syncs[p]
+            self.reg.publish(SYNC + p, self.syncs[p])
         for p in peers:
             theirs, want = self.reg.peers[p, "ctl"].bytes.view(np.int64), self.syncs[p]
             doing = f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"
-            self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex)
+            self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex, SYNC + me)

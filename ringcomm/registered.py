@@ -29,8 +29,11 @@ import time
 import numpy as np
 
 from ringcomm.kernels import host as kernels
-from ringcomm.transport.base import PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key
+from ringcomm.transport import futex
+from ringcomm.transport.base import (PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key,
+                                     waits_for_my_cpu)
 
+from . import plain_read
 from .buffers import address
 from .catalogue import ALGOS
 from .errors import CollectiveTimeout, RingcommError
@@ -48,11 +51,14 @@ _serial = 0                  # segments this process has created
 def settle(reg, collective: str, algo: str, auto: bool, x, y, nbytes: int) -> str:
     """The algorithm to run. Chosen automatically: "read" when buf and out are registered, the
     collective has a read algorithm (all_to_all, gather and scatter have none) and the call moves
-    at least READ_MIN_BYTES (never on other buffers: a forced RINGCOMM_ALGO=read falls back to the
-    ring there). Asked for by name: "read" on buffers that are not registered is a ValueError."""
+    at least READ_MIN_BYTES, or for plain buffers that every peer can read by CMA where that beats
+    the FIFOs (plain_read.wanted); else never (a forced RINGCOMM_ALGO=read falls back to the ring
+    there). Asked for by name: "read" on buffers that are not registered is a ValueError."""
     held = reg is not None and reg.holds(x, y)
     if auto:
-        if held and nbytes >= READ_MIN_BYTES and ALGO in ALGOS[collective]:
+        # cma_ok() is collective the first time: called on every rank for the same calls
+        cma = reg is not None and plain_read.wanted(collective, nbytes) and reg.cma_ok()
+        if (held and nbytes >= READ_MIN_BYTES and ALGO in ALGOS[collective]) or cma:
             return ALGO
         return "ring" if algo == ALGO else algo
     if algo == ALGO and not held and not (reg is not None and reg.n == 1):  # one rank: a local copy
@@ -125,6 +131,7 @@ class Registry:
         self.named: list = []           # paths of this rank's segments still in /dev/shm
         self.engine = ReadEngine(self)
         self.closed = False
+        self.cma = None                 # whether every pair can read plain buffers by CMA; None: not probed
 
     def _others(self):
         return [p for p in range(self.n) if p != self.rank]
@@ -140,11 +147,7 @@ class Registry:
         if not self.shared:  # one rank, or peers on other hosts: nothing to map, ordinary memory
             return np.zeros(shape, dtype)
         k = len(self.mine)
-        if self.ctl is None:
-            self.ctl = self._create(8 * (SYNC + self.n))
-            words = self.ctl.bytes.view(np.int64)
-            words[0], words[PID] = MAGIC, os.getpid()
-            self.named.append(self.ctl.path)
+        self._ensure_ctl()
         seg = self._create(max(count * dtype.itemsize, 1))
         self.mine.append(seg)
         self.named.append(seg.path)
@@ -158,8 +161,7 @@ class Registry:
                 raise ValueError(f"rank {self.rank} (this process): alloc #{k} has {me['nbytes']} bytes here but "
                                  f"{theirs['nbytes']} on rank {p}: every rank calls alloc with the same shape "
                                  f"and dtype, in the same order")
-            if (p, "ctl") not in self.peers:
-                self.peers[p, "ctl"] = self._map(theirs["ctl"], 8 * (SYNC + self.n), p)
+            self.map_ctl(p, theirs["ctl"])
             self.peers[p, k] = self._map(theirs["seg"], max(me["nbytes"], 1), p)
         self._mapped_everywhere(k)
         return seg.bytes[:count * dtype.itemsize].view(dtype).reshape(shape)
@@ -183,6 +185,44 @@ class Registry:
         for path in self.named:
             shm.unlink_tracked(path)
         self.named = []
+
+    def _ensure_ctl(self) -> None:
+        if self.ctl is None:
+            self.ctl = self._create(8 * (SYNC + self.n))
+            words = self.ctl.bytes.view(np.int64)
+            words[0], words[PID] = MAGIC, os.getpid()
+            self.named.append(self.ctl.path)
+
+    def map_ctl(self, p: int, name: str) -> None:
+        if (p, "ctl") not in self.peers:
+            self.peers[p, "ctl"] = self._map(name, 8 * (SYNC + self.n), p)
+
+    def cma_ok(self) -> bool:
+        """Whether plain buffers can take the read steps by CMA (plain_read.py). The first call is
+        collective: the control segments are exchanged and every pair probed; every rank makes it
+        at the same collective call (settle's condition is the same on every rank)."""
+        if self.cma is None:
+            if not self.shared:
+                self.cma = False
+            else:  # probed even where RINGCOMM_CMA=0: that rank's "no" must reach the others
+                self._ensure_ctl()
+                self.cma = plain_read.setup(self, self.ctl.bytes.view(np.int64), MAGIC)
+                from ringcomm.transport import shm
+                for path in self.named:  # every peer mapped the control segment before its verdict
+                    shm.unlink_tracked(path)
+                self.named = []
+        return self.cma
+
+    def published(self, key: str, p: int, deadline: float, what: str) -> bytes:
+        """A store key rank p publishes, with the communicator's deadline and errors."""
+        try:
+            return wait_key(self.ctx, key, deadline, p, "shm")
+        except PeerTimeout:
+            raise CollectiveTimeout(f"rank {self.rank} (this process) timed out after {self.timeout:g} s waiting "
+                                    f"for rank {p} to {what} over shm") from None
+        except Aborted as e:
+            raise RingcommError(f"rank {self.rank} (this process) was aborted while waiting for rank {p} "
+                                f"to {what}: {e}") from None
 
     def _create(self, size: int) -> _Map:
         global _serial
@@ -231,21 +271,26 @@ class Registry:
         """Run a "read" schedule on registered buffers (the executor's hook)."""
         self.engine.run(ex, sched, call)
 
-    def wait(self, peer: int, ready, explain, ex=None) -> None:
+    def wait(self, peer: int, ready, explain, ex=None, word: int | None = None) -> None:
         """Spin, yield, sleep (transport Backoff) until ready(); abort, liveness, watchdog, deadline
         as in transport/shm.py; explain(error) is what is raised (the executor's messages in a call).
-        ``ex``: the executor, told where this rank waits (for the watchdog's table)."""
+        ``ex``: the executor, told where this rank waits (for the watchdog's table). ``word``: the
+        index of the peer's control word that ready() reads; the sleep is then a futex on it, which
+        the peer's store ends (publish())."""
         if ready():
             return
         t0 = time.monotonic()
         if ex is not None:
             ex._waiting = (peer, "sync", 0, t0)
-        backoff, deadline, patrol = Backoff(self.ctx.spins), t0 + self.timeout, t0 + PATROL_PERIOD
         ctl = self.peers[peer, "ctl"].bytes.view(np.int64)
+        backoff = Backoff(self.ctx.spins, None if word is None else self._sleeper(ctl, word, ready))
+        deadline, patrol = t0 + self.timeout, t0 + PATROL_PERIOD
         while not ready():
             backoff()
             if backoff.n & 63:
                 continue
+            if backoff.n == 64 and backoff.spins > 64 and waits_for_my_cpu(int(ctl[PID])):
+                backoff.n = backoff.spins   # the peer waits for this CPU: stop polling, yield it now
             try:
                 if self.ctx.abort is not None and self.ctx.abort.is_set():
                     raise Aborted("aborted", peer=peer, transport="shm")
@@ -264,6 +309,22 @@ class Registry:
                 raise explain(e) from None
         if ex is not None:
             ex._waiting = None
+
+    @staticmethod
+    def _sleeper(ctl, word: int, ready):
+        addr = address(ctl) + 8 * word
+
+        def block(seconds: float) -> None:
+            seen = int(ctl[word])  # a store after this read fails the kernel's compare: no lost wake
+            if not ready():
+                futex.wait(addr, seen, seconds)
+        return block
+
+    def publish(self, word: int, value: int) -> None:
+        """Store ``value`` in this rank's control word ``word`` and wake a peer asleep on it: always
+        (one syscall, no waiter flag), so no wake-up can be missed whatever the store order."""
+        self.ctl.bytes.view(np.int64)[word] = value
+        futex.wake(self.ctl.base + 8 * word)
 
     def leave(self) -> None:
         """Tell the peers this rank takes no more part (a failure or abort): their waits on it end."""

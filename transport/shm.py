@@ -10,6 +10,7 @@ Transport.connect_send). The segment is a header plus ``nslots`` slots:
     offset 128  released  (written only by the receiver: slices given back)
     offset 192  sender pid, offset 256 receiver pid   (liveness checks)
     offset 320  closed flags (sender, receiver)        (a clean close, not a crash)
+    offset 384  receiver sleeps on posted, offset 448 sender sleeps on released (futex.py)
     offset 512  the byte count of each slot
     offset HDR  slot 0, slot 1, ...
 
@@ -27,12 +28,14 @@ import time
 
 import numpy as np
 
+from . import futex
 from .base import (PATROL_PERIOD, Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
                    SendConnection, Transport, pid_alive, wait_key)
 
 MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
 HDR = 4096
 POSTED, RELEASED, SENDER_PID, RECEIVER_PID, CLOSED = 8, 16, 24, 32, 40  # int64 indices
+RECV_SLEEPS, SEND_SLEEPS = 48, 56  # set by a side while it sleeps on POSTED / RELEASED
 SIZES = 64
 
 # Ordering: a slot's bytes must be visible to the peer before the counter that
@@ -158,9 +161,24 @@ class _Link:
         self.nslots, self.slot_bytes = ctx.nslots, ctx.slot_bytes
         self._peer_pid_word, self._peer_closed_word = peer_pid_word, peer_closed_word
 
-    def _wait(self, ready, deadline: float, what: str) -> None:
-        """Wait until ready() holds; spin, yield, then sleep (see Backoff)."""
-        backoff = Backoff(self.ctx.spins)
+    def _wait(self, ready, deadline: float, what: str, counter: int, flag: int) -> None:
+        """Wait until ready() holds; spin, yield, then sleep (see Backoff) on the futex of header
+        word ``counter`` (the peer's counter that ready() reads), with header word ``flag`` set
+        meanwhile so that the peer's post wakes this side (futex.py)."""
+        words, addr = self.seg.words, self.seg.base + 8 * counter
+
+        def block(seconds: float) -> None:
+            words[flag] = 1
+            try:
+                # A post before this read shows in ready(); one after it makes the kernel's own
+                # compare fail, so the futex returns at once: only the poster's side can miss.
+                seen = int(words[counter])
+                if not ready():
+                    futex.wait(addr, seen, seconds)
+            finally:
+                words[flag] = 0
+
+        backoff = Backoff(self.ctx.spins, block)
         abort, watchdog = self.ctx.abort, self.ctx.watchdog
         next_patrol = time.monotonic() + PATROL_PERIOD
         while not ready():
@@ -195,6 +213,10 @@ class _Link:
         returned to the loop: the loop released or posted it itself."""
         self._words()  # a closed link has no addresses: compiled code must not write there
         return self.seg.base, self.seg.base + HDR
+
+    def peer_pid(self) -> int:
+        """The peer's pid as it wrote it into the segment (0 until it has attached)."""
+        return int(self._words()[self._peer_pid_word])
 
     def _check_peer(self, what: str) -> None:
         words = self._words()
@@ -243,7 +265,7 @@ class ShmSend(_Link, SendConnection):
             self.settle()
         limit = self.posted - self.nslots
         if words[RELEASED] <= limit:
-            self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from")
+            self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from", RELEASED, SEND_SLEEPS)
         self.held = True
         return self.seg.slots[self.posted % self.nslots]
 
@@ -264,6 +286,14 @@ class ShmSend(_Link, SendConnection):
         words[SIZES + self.posted % self.nslots] = nbytes
         self.posted += 1
         words[POSTED] = self.posted  # after the data and the size: see the TSO note above
+        if words[RECV_SLEEPS]:
+            futex.wake(self.seg.base + 8 * POSTED)
+
+    def wake_peer(self) -> None:
+        """Wake the receiver if it sleeps for a slice (a compiled loop that posted calls it)."""
+        words = self.seg.words
+        if words is not None and words[RECV_SLEEPS]:   # None: closed here meanwhile (abort)
+            futex.wake(self.seg.base + 8 * POSTED)
 
     def close(self) -> None:
         if self.seg.words is not None:
@@ -294,7 +324,7 @@ class ShmRecv(_Link, RecvConnection):
             raise RuntimeError("wait() called again before release()")
         want = self.released
         if words[POSTED] <= want:
-            self._wait(lambda: words[POSTED] > want, deadline, "the next slice from")
+            self._wait(lambda: words[POSTED] > want, deadline, "the next slice from", POSTED, RECV_SLEEPS)
         i = want % self.nslots
         self.held = True
         return self.seg.slots[i][: int(words[SIZES + i])]
@@ -313,6 +343,14 @@ class ShmRecv(_Link, RecvConnection):
         self.held = False
         self.released += 1
         words[RELEASED] = self.released
+        if words[SEND_SLEEPS]:
+            futex.wake(self.seg.base + 8 * RELEASED)
+
+    def wake_peer(self) -> None:
+        """Wake the sender if it sleeps for a free slot (a compiled loop that released calls it)."""
+        words = self.seg.words
+        if words is not None and words[SEND_SLEEPS]:   # None: closed here meanwhile (abort)
+            futex.wake(self.seg.base + 8 * RELEASED)
 
     def close(self) -> None:
         if self.seg.words is not None:

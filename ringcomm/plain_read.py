@@ -1,0 +1,105 @@
+"""Plain numpy buffers in the one-copy "read" steps, through cross-memory attach (transport/cma.py).
+
+A registered buffer (comm.alloc) is readable because the peers map it. A plain numpy buffer is
+readable too where the kernel lets one process read another's memory (process_vm_readv: same
+user, no Yama or container rule against it): the owner publishes the buffer's address, the
+reader copies straight out of it into its own output. That is what MPICH (through UCX) does for
+large messages between processes of one host: one copy, where the FIFO path makes two (into a
+slot, out of it).
+
+So the read schedules of schedule/onecopy.py run on plain buffers unchanged; only where a
+read step's bytes come from differs (read_engine.py: a mapped view, or a Remote here). Automatic
+choice takes this path for the copy-only collectives (broadcast, all_gather), from CMA_MIN_BYTES
+(measured: below it the FIFO path's pipelining wins; RINGCOMM_CMA_MIN), when every peer passed
+the probe; RINGCOMM_CMA=0 turns it off.
+
+The probe (setup) is collective and runs once per communicator, at the first call that could
+take this path: each rank publishes its pid and the address of a known word, reads every peer's
+word with process_vm_readv, publishes what failed, and the path is used only if nothing failed
+anywhere -- every rank must pick the same algorithm. RINGCOMM_DEBUG=info prints each peer's path.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from ringcomm.transport import cma
+
+from .env import env_number
+from .errors import RingcommError
+
+COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
+CMA_MIN_BYTES = 1 << 20                     # measured crossover (README, "Single-copy reads of plain buffers")
+
+
+def enabled() -> bool:
+    """RINGCOMM_CMA: 1 (default) probes and uses CMA where it beats the FIFOs, 0 never does."""
+    raw = os.environ.get("RINGCOMM_CMA", "1").strip().lower()
+    if raw not in ("0", "1", "off", "on", "no", "yes", "false", "true", ""):
+        raise ValueError(f"RINGCOMM_CMA={raw!r}: use 1 (on, the default) or 0 (off)")
+    return raw not in ("0", "off", "no", "false") and cma.available()
+
+
+def wanted(collective: str, nbytes: int) -> bool:
+    """Whether automatic choice would take the CMA read path for this call (if the probe passes)."""
+    return collective in COLLECTIVES and nbytes >= env_number("RINGCOMM_CMA_MIN", CMA_MIN_BYTES, int)
+
+
+class Remote:
+    """A peer's plain buffer (or a piece of it), read with process_vm_readv: the stand-in for a
+    mapped view in read_engine.py. Indexing by a slice of elements gives the piece."""
+
+    __slots__ = ("pid", "addr", "size", "dtype", "peer")
+
+    def __init__(self, pid: int, addr: int, size: int, dtype, peer: int):
+        self.pid, self.addr, self.size, self.dtype, self.peer = pid, addr, size, np.dtype(dtype), peer
+
+    def __getitem__(self, s: slice) -> Remote:
+        a, b, _ = s.indices(self.size)
+        return Remote(self.pid, self.addr + a * self.dtype.itemsize, max(0, b - a), self.dtype, self.peer)
+
+    def copy_to(self, out: np.ndarray) -> None:
+        """out[...] = this piece, in one copy (out: C-contiguous, same size and dtype)."""
+        if out.size != self.size or not out.flags.c_contiguous:
+            raise ValueError(f"CMA read of {self.size} elements into {out.size} (contiguous: {out.flags.c_contiguous})")
+        cma.read(self.pid, self.addr, out.ctypes.data, out.nbytes)
+
+
+def setup(reg, words, magic: int) -> bool:
+    """The collective probe: whether every rank can read every peer by CMA (all must agree).
+    ``words``: this rank's control words; word 0 holds ``magic``, which the peers read by CMA."""
+    ctx, me = reg.ctx, reg.rank
+    others = [p for p in range(reg.n) if p != me]
+    on = enabled()
+    mine = {"ctl": os.path.basename(reg.ctl.path), "pid": os.getpid(), "addr": int(words.ctypes.data)}
+    ctx.store.set(f"{ctx.prefix}/cma/{me}", json.dumps(mine).encode())
+    deadline = time.monotonic() + reg.timeout
+    failed = {}
+    expect = np.array([magic], np.int64).tobytes()
+    for p in others:
+        theirs = json.loads(reg.published(f"{ctx.prefix}/cma/{p}", p, deadline, "probe CMA"))
+        reg.map_ctl(p, theirs["ctl"])
+        why = cma.probe(theirs["pid"], theirs["addr"], expect) if on else "RINGCOMM_CMA=0"
+        if why:
+            failed[p] = why
+    ctx.store.set(f"{ctx.prefix}/cma-ok/{me}", json.dumps(sorted(failed)).encode())
+    # A failure between any two ranks turns the path off for everyone: all must pick one algorithm.
+    refused = {p: json.loads(reg.published(f"{ctx.prefix}/cma-ok/{p}", p, deadline, "probe CMA")) for p in others}
+    ok = not failed and not any(refused.values())
+    if "info" in os.environ.get("RINGCOMM_DEBUG", "").lower().split(","):
+        for p in others:
+            why = failed.get(p) or (f"rank {p} cannot read rank(s) {refused[p]}" if refused[p] else None)
+            why = why or (None if ok else "another pair of ranks cannot use CMA")
+            path = "single-copy CMA reads" if why is None else f"the FIFO (two-copy) path: {why}"
+            print(f"ringcomm rank {me}: plain buffers with rank {p}: {path}", file=sys.stderr, flush=True)
+    return ok
+
+
+def check_size(remote: Remote, want: int, call, me: int, which: str) -> None:
+    if remote.size != want:
+        raise RingcommError(f"rank {me} (this process): rank {remote.peer}'s {which}put of {call.name} #{call.seq} "
+                            f"has {remote.size} elements where this rank's has {want}: the ranks passed different sizes")
