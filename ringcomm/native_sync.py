@@ -6,6 +6,10 @@
     cpu_pause()                x86 PAUSE: a spin-wait hint (yields the pipeline, not the core)
     cycles()                   the CPU's cycle counter (RDTSC): cheap time for compiled loops
     typed_ptr(addr, like)      ``addr`` as a pointer to ``like``'s element type, for numba.carray
+    load_word(addr)            the int64 at ``addr``, which need not be aligned (a plain load)
+    store_stream(addr, v)      store int64 ``v`` at 8-aligned ``addr`` non-temporally (MOVNTI):
+                               past the caches, so the line need not be fetched first; weakly
+                               ordered, so a fence() must come before the store that publishes it
 
 Why atomics for plain counters: a compiled spin loop over an ordinary array load may be hoisted
 by LLVM out of the loop (nothing in the loop writes it), and then it never sees the peer's store.
@@ -26,11 +30,12 @@ import time
 _lock = threading.RLock()  # cycles_per_second() holds it while it calls intrinsics()
 _done = None
 load_acquire = store_release = fence = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
-NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr")
+load_word = store_stream = None
+NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr", "load_word", "store_stream")
 
 
 def intrinsics():
-    """(load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr), made once per process and
+    """(load_acquire, ..., store_stream) as in NAMES, made once per process and
     also set as this module's globals, where jitted code finds them."""
     global _done
     if _done is None:
@@ -100,7 +105,21 @@ def _make():
             return builder.inttoptr(args[0], context.get_value_type(ptr_type))
         return ptr_type(types.int64, like), codegen
 
-    return load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr
+    @intrinsic
+    def load_word(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            return builder.load(builder.inttoptr(args[0], i64.as_pointer()), align=1)
+        return types.int64(types.int64), codegen
+
+    @intrinsic
+    def store_stream(typingctx, addr, value):
+        def codegen(context, builder, sig, args):
+            store = builder.store(args[1], builder.inttoptr(args[0], i64.as_pointer()), align=8)
+            store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64), codegen
+
+    return load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr, load_word, store_stream
 
 
 _hz = None
