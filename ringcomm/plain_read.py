@@ -33,11 +33,11 @@ from .env import env_number
 from .errors import RingcommError
 
 COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
-# Measured crossovers (2 ranks, docs/06 "One copy for plain buffers"): below them the FIFO path
-# wins; above, the FIFO path is held to ~2 GB/s by moving freshly written slot lines between the
-# two cores, while a CMA read of the owner's clean buffer runs 5-10 GB/s. Bytes as wanted() counts
-# them: broadcast's buffer, all_gather's output.
-CMA_MIN_BYTES = {"broadcast": 64 * 1024, "all_gather": 128 * 1024}
+# Measured crossovers (2 ranks, docs/06 "Where a 2-rank broadcast's time went"): below them the
+# FIFO path, whose slot copies stream past the caches, is as fast or faster (64 KiB broadcast
+# 8-9 us against 30-50 us by CMA, whose per-call Python and two syscalls cost ~25 us); above them
+# one copy instead of two wins. Bytes as wanted() counts them: broadcast's buffer, all_gather's output.
+CMA_MIN_BYTES = {"broadcast": 8 << 20, "all_gather": 4 << 20}
 
 
 def enabled() -> bool:
