@@ -117,7 +117,7 @@ def test_one_gpu_whatever_the_thread_and_clear_refusals():
 
 
 @pytest.mark.timeout(60)
-def test_an_async_first_call_binds_the_buffers_gpu_and_groups_refuse_device_buffers():
+def test_an_async_first_call_and_a_group_run_on_the_buffers_gpu():
     with World(1, SIM, timeout=30) as w:
         w.run(work.install)
         assert w.run(work.async_first_call_and_groups, timeout=40) == [[]]

@@ -183,6 +183,10 @@ class CudaIpcSend(_DeviceLink, ShmSend):
             self._wait_flag(self.freed, k + 1 - self.nslots)
         return self.slots[k % self.nslots]
 
+    def ready(self) -> bool:
+        # the first acquire also waits for the receiver's slot placement
+        return (self.slots is not None or bool(self.seg.words[MODE])) and super().ready()
+
     def post(self, nbytes: int) -> None:
         self._signal(self.filled, self.posted + 1, self.deadline)   # before the counter moves
         super().post(nbytes)
