@@ -120,7 +120,9 @@ def run_group(members) -> None:
     members = [(e, s, c) for e, s, c in members if c.m > 0]
     if not members:
         return
-    executors = list(dict.fromkeys(e for e, _, _ in members))  # the host one first when both (as issued)
+    # The host executor before the device path's, whatever the issue order: see _connect.
+    executors = sorted(dict.fromkeys(e for e, _, _ in members),
+                       key=lambda e: any(c.dev is not None for x, _, c in members if x is e))
     for executor in executors:
         _connect(executor, [(s, c) for e, s, c in members if e is executor])
     pending = [_Member(e, s, c) for e, s, c in members]
@@ -128,13 +130,13 @@ def run_group(members) -> None:
     for m in sorted(pending, key=lambda m: m.p2p):  # stable: issue order within each kind
         for conn in m.left:
             turn.setdefault(conn, []).append(m)
-    watchdog = executors[0].watchdog
+    watchdog, shown = executors[0].watchdog, [executors[0]]
     saved = watchdog.position if watchdog is not None else None
     if watchdog is not None:  # "where is this rank": the executor of the member the group waits on
-        watchdog.position = lambda: _waiting_executor(executors).position()
+        watchdog.position = lambda: shown[0].position()
     try:
         with np.errstate(all="ignore"):
-            _loop(executors[0], pending, turn)
+            _loop(executors[0], pending, turn, shown)
     finally:
         if watchdog is not None:
             watchdog.position = saved
@@ -142,7 +144,9 @@ def run_group(members) -> None:
 
 def _connect(executor, members) -> None:
     """Connect every connection ``executor``'s members use: sends before receives (see Transport).
-    Every rank connects its host links before its device links, so connecting stays deadlock-free."""
+    Every rank connects its host links before its device links: they are separate transports, each
+    made at its first connection, and a send may wait for the peer's transport to exist -- so the
+    peer must never be blocked in the other kind's connects, waiting for us, before it makes it."""
     srcs, dsts = set(), set()
     for sched, _ in members:
         s, d = sched.peers()
@@ -155,13 +159,7 @@ def _connect(executor, members) -> None:
     executor.links.prepare(srcs, dsts)
 
 
-def _waiting_executor(executors):
-    """The executor that waits longest on a peer (else the first): what the watchdog's table shows."""
-    waiting = [e for e in executors if e._waiting is not None]
-    return min(waiting, key=lambda e: e._waiting[3]) if waiting else executors[0]
-
-
-def _loop(executor, pending, turn) -> None:
+def _loop(executor, pending, turn, shown) -> None:
     ctx = executor.links.ctx
     backoff, stalled_since, next_patrol = Backoff(ctx.spins), None, 0.0
     while pending:
@@ -178,7 +176,7 @@ def _loop(executor, pending, turn) -> None:
         now = time.monotonic()
         if stalled_since is None:
             stalled_since, next_patrol = now, now + PATROL_PERIOD
-            _note_wait(pending, turn, now)
+            _note_wait(pending, turn, now, shown)
         if ctx.abort is not None and ctx.abort.is_set():
             raise _fail(executor, pending, turn, Aborted, "aborted")
         if now - stalled_since > executor.timeout:
@@ -228,10 +226,10 @@ def _blocked(pending, turn):
                     break
 
 
-def _note_wait(pending, turn, t0) -> None:
-    """Tell the watchdog what the group waits for (the first stalled member)."""
+def _note_wait(pending, turn, t0, shown) -> None:
+    """Tell the watchdog what the group waits for (the first stalled member, on its executor)."""
     for m, peer, direction, _ in _blocked(pending, turn):
-        executor = m.executor
+        executor = shown[0] = m.executor
         executor._call, executor._step = m.call, m.plan[m.pos][0]
         executor._waiting = (peer, direction, m.plan[m.pos][8], t0)
         return

@@ -17,6 +17,23 @@ def _dev(a):
     return cuda.to_device(a)
 
 
+def first_contact_mixed(comm) -> list[str]:
+    """Ranks 0 and 1, links not connected yet: rank 0 issues a device receive then a host send, rank 1 a host
+    receive then a device send. Connecting in issue order would have each wait for the other's send."""
+    r, peer = comm.rank, 1 - comm.rank
+    dev, host = _dev(np.full(300, r, np.float32)), np.full(300, r, np.int64)
+    with comm.group():
+        if r == 0:
+            comm.recv(dev, peer)
+            comm.send(host, peer)
+        else:
+            comm.recv(host, peer)
+            comm.send(dev, peer)
+    fake_cuda.current().synchronize(0)
+    got = (dev.copy_to_host() if r == 0 else host)
+    return [] if (got == peer).all() else [f"rank {r}: got {got[:4]} from rank {peer}"]
+
+
 def ring_shift_pairs_and_collectives(comm, count: int) -> list[str]:
     """One group: every rank sends to rank + 1 *before* receiving from rank - 1, ``count`` floats (many FIFOs),
     then two more messages to the same peer of other sizes and dtypes (matched in issue order), with a device

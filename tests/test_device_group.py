@@ -31,6 +31,7 @@ def test_device_groups_complete_any_matching_set(transport, monkeypatch):
         monkeypatch.setenv(k, v)
     with World(3, env, timeout=30) as w:
         w.run(work.install, SLOW)
+        assert w.run(work.first_contact_mixed, ranks=[0, 1], timeout=60) == [[]] * 2
         assert w.run(work.ring_shift_pairs_and_collectives, COUNT, timeout=120) == [[]] * 3
         assert w.run(work.all_to_all_by_pairs, COUNT, timeout=120) == [[]] * 3
 
