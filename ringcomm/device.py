@@ -108,13 +108,13 @@ class DeviceLinks:
     def call(self):
         return self.links.call
 
-    @property
-    def ctx(self):                          # the job's LinkContext (abort, watchdog, spins): the host links'
-        return self.links.ctx
-
     @call.setter
     def call(self, call) -> None:           # the executor names its call here; connect errors name it
         self.links.call = call
+
+    @property
+    def ctx(self):                          # the job's LinkContext (abort, watchdog, spins): the host links'
+        return self.links.ctx
 
     def __call__(self, peer: int, direction: str):
         conn = self.conns.get((peer, direction))
