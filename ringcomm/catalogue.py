@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .schedule import alltoall, direct, recursive, ring, rooted, tree
+from .schedule import alltoall, direct, onecopy, recursive, ring, rooted, tree
 from .schedule.step import Schedule
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all", "gather",
@@ -29,6 +29,15 @@ ALGOS: dict[str, dict] = {
     "gather": {"linear": rooted.linear_gather, "binomial": rooted.binomial_gather},
     "scatter": {"linear": rooted.linear_scatter, "binomial": rooted.binomial_scatter},
 }
+# One-copy algorithms on registered buffers (comm.alloc); automatic choice takes them exactly when
+# buf and out come from comm.alloc (ringcomm/registered.py), and they refuse other buffers.
+for _coll, _make in (("all_reduce", onecopy.read_all_reduce), ("reduce_scatter", onecopy.read_reduce_scatter),
+                     ("all_gather", onecopy.read_all_gather), ("broadcast", onecopy.read_broadcast),
+                     ("reduce", onecopy.read_reduce)):
+    ALGOS[_coll][onecopy.ALGO] = _make
+# Algorithms that run only on registered buffers (their steps read peers' memory, not FIFOs):
+# tools that execute or mutate FIFO steps leave them out.
+REGISTERED_ONLY = frozenset({onecopy.ALGO})
 
 
 def check_collective(collective: str) -> None:

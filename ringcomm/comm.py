@@ -15,6 +15,8 @@ from .errors import CommunicatorClosed, RingcommError
 from .executor import Call, Executor
 from .group import Group
 from .ops import SUM, as_op
+from .registered import refuse, settle
+from .schedule.onecopy import ALGO as READ
 from .schedule import p2p
 from .progress import Progress, asyncable
 
@@ -43,6 +45,7 @@ class Communicator:
         self._check = check.enabled()
         self._auto: dict = {}  # (collective, size band) -> the algorithm automatic choice picked
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
+        self._registry = None  # ringcomm.registered.Registry, made by the first alloc()
         self._scratch: dict = {}  # reproducible mode's codes and limbs, kept between calls
         self._progress = Progress(rank, self._execute_now, self.abort)  # where calls run, in order
 
@@ -166,6 +169,20 @@ class Communicator:
         whatever its order and message sizes (ringcomm/group.py)."""
         return Group(self)
 
+    def alloc(self, shape, dtype=np.float32) -> np.ndarray:
+        """A zeroed numpy array in shared memory that this host's other ranks map: collectives on
+        buffers from alloc read the peers' memory directly (one copy instead of two; algorithm
+        "read"). A collective call: every rank calls it, in the same order, with the same shape
+        and dtype. The array stays shared until close(); after that it is private memory of this
+        process. With peers on other hosts (or one rank) it is an ordinary array."""
+        if self._closed or self._broken is not None:
+            self._next_seq()  # raises: the communicator is closed or unusable
+        if self._registry is None:
+            from .registered import Registry
+            self._registry = self._executor.registered = Registry(self.rank, self.world_size, self._links,
+                                                                  self.timeout)
+        return self._registry.alloc(shape, dtype)
+
     def transport_to(self, peer) -> str:
         """The transport that joins this rank to ``peer`` for host buffers: "shm" on this host,
         else "ibverbs" where both ends have an RDMA device, else "tcp" (device buffers use
@@ -201,7 +218,7 @@ class Communicator:
         # its next _execute_now, and closes them itself -- never under a running executor.
         if self._progress.token.acquire(False):
             try:
-                self._links.close()
+                self._close_links()
             finally:
                 self._progress.token.release()
         self._progress.fail_queued("comm.abort() was called")
@@ -218,6 +235,8 @@ class Communicator:
             self._roster.close()
         if self._device is not None:
             self._device.close()
+        if self._registry is not None:
+            self._registry.close()
         if self.world_size > 1:
             self._leave_store()
         if self._owns_store:
@@ -247,8 +266,16 @@ class Communicator:
     # ---- the work ------------------------------------------------------------------------------
 
     def _run(self, collective, algo, x, y, m, op, root, nbytes, blocks=None):
-        algo = self._pick_algo(collective, algo, nbytes)
+        picked = self._pick_algo(collective, algo, nbytes)
+        if self._registry is not None or picked == READ:  # comm.alloc was called, or "read" asked for
+            # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
+            auto = self._forced_algo in ("", READ) and (algo is None or algo == self._forced_algo)
+            picked = settle(self._registry, collective, picked, auto, x, y, nbytes)
+        algo = picked
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
+        if sched.registered and algo != READ and self.world_size > 1 and not (
+                self._registry is not None and self._registry.holds(x, y)):
+            refuse(collective, algo)  # an algorithm of the user's with read steps, on plain memory
         seq = self._next_seq()
         self._fingerprint(collective, algo, x, m if blocks is None else vcounts.PACKED, op, root, seq)
         if blocks is not None and self._check and self.world_size > 1:
@@ -307,7 +334,7 @@ class Communicator:
         if engine is None:
             engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path(call)
         if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
-            self._links.close()
+            self._close_links()
             raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
         try:
             engine.run(sched, call)
@@ -316,12 +343,19 @@ class Communicator:
             # calls, and close the links so the peers waiting on this rank learn it now.
             with self._lock:
                 self._broken = self._broken or str(e)
-            self._links.close()
+            self._close_links()
             if self._owns_store and self.rank == 0 and self._executor.watchdog is not None:
                 # This process hosts the store: keep it up while the others report (at exit,
                 # so a program that catches the error loses no time).
                 atexit.register(self._executor.watchdog.linger)
             raise
+
+    def _close_links(self):
+        """After a failure or abort(): close the links, and mark this rank's registered buffers as
+        left, so peers waiting in a call on them (which read no link) learn it now too."""
+        self._links.close()
+        if self._registry is not None:
+            self._registry.leave()
 
     def _device_path(self, first=None):
         if self._device is None:

@@ -14,7 +14,9 @@ the incoming slot into the outgoing one: one pass over the data, no scratch.
 This is the reference engine, the one the docs teach. With ``engine="native"``
 (RINGCOMM_ENGINE, the default) a call whose links are all shm runs the same plan,
 cut into cache-sized slices, in compiled code (ringcomm/engine_native.py); every
-other call (tcp, ibverbs, device buffers) runs here.
+other call (tcp, ibverbs, device buffers) runs here. Schedules that read peers'
+registered buffers (algorithm "read", comm.alloc) use no FIFO: on either engine
+they run in ringcomm/read_engine.py.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ class Executor:
         self._call, self._step, self._nsteps, self._waiting = None, 0, 0, None
         # (id(schedule), item size, count, native?) -> (schedule, plan), see _plan
         self._plans: dict = {}
+        self.registered = None  # ringcomm.registered.Registry, once comm.alloc() was called
         self.native = self._native_off = None
         self._spin_s = spin_s
         self.slice_bytes = min(slice_bytes or slot_bytes, slot_bytes)
@@ -94,6 +97,8 @@ class Executor:
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:
             return
+        if sched.registered:  # reads peers' registered buffers, no FIFO: ringcomm/read_engine.py on
+            return self.registered.run(self, sched, call)  # either engine (the native one never sees it)
         self.links.call = call  # named in connect errors
         self._call, self._nsteps = call, len(sched.steps)
         if self.native is not None and call.dev is None:

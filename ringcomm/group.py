@@ -25,6 +25,10 @@ points to work queued earlier in time, and time has no cycles. A group of host a
 runs as one; the device members' streams start after their callers' streams and the callers'
 streams wait for the whole group (the device path's stream rule, once per group).
 
+Collectives on registered buffers (comm.alloc, algorithm "read") use no FIFO: they run first, one
+after the other in issue order, each as it would alone (ringcomm/read_engine.py); every rank's group
+holds the same collectives in the same order, so every rank runs the same ones first.
+
 A wait has the communicator's timeout measured from the group's last progress; the error names
 the stalled members. Any failure fails the whole group (and, as everywhere, the communicator).
 """
@@ -117,7 +121,10 @@ class _Member:
 def run_group(members) -> None:
     """Run ``members`` [(executor, schedule, Call)] of one rank together; see the module docstring.
     The executor is the host one or the device path's (whose links are device connections)."""
-    members = [(e, s, c) for e, s, c in members if c.m > 0]
+    for executor, sched, call in members:
+        if sched.registered and call.m > 0:
+            executor.run(sched, call)
+    members = [(e, s, c) for e, s, c in members if c.m > 0 and not s.registered]
     if not members:
         return
     # The host executor before the device path's, whatever the issue order: see _connect.

@@ -18,6 +18,7 @@ import sys
 from collections import defaultdict
 
 from . import algorithms
+from .schedule import peer_read
 from .schedule.cost import messages
 from .schedule.trace import TracingSim
 
@@ -37,10 +38,13 @@ def frames(collective: str, algo: str, n: int, root: int | None = None) -> list[
     sim.run()
     grouped = defaultdict(lambda: ([], set()))
     sent = defaultdict(int)
-    for a, b, chunk, ranks in sim.sent:
-        stages = sorted(order[a, b])  # a's sends to b in step order, as the FIFO carries them
-        stage = stages[sent[a, b]][1]
-        sent[a, b] += 1
+    for a, b, chunk, ranks, *read in sim.sent:
+        if read:  # b read a's registered buffer: the stage is the read's own (peer_read.stage)
+            stage = read[0]
+        else:
+            stages = sorted(order[a, b])  # a's sends to b in step order, as the FIFO carries them
+            stage = stages[sent[a, b]][1]
+            sent[a, b] += 1
         chunks, who = grouped[stage, a, b]
         chunks.append(chunk)
         who.update(ranks)
@@ -56,10 +60,17 @@ class _Recording(TracingSim):
         super().__init__(*args)
 
     def _compute(self, st, step):
-        me = st.sched.rank
+        me, index, sched = st.sched.rank, st.index, st.sched
         super()._compute(st, step)
         for b in step.dst:
             self.sent.append((me, b, step.chunk, sorted(self.conn(me, b).queue[-1].value.ranks)))
+        if step.reads:  # an arrow from each peer whose registered buffer this step read
+            cell = me % sched.nchunks if sched.out_layout == "own" else step.chunk
+            value = self.outputs[0][me][cell]
+            for q in step.remote:
+                if q != me:
+                    ranks = [q] if step.reads == "in" else sorted(value.ranks)
+                    self.sent.append((q, me, step.chunk, ranks, peer_read.stage(sched, index)))
 
 
 def color(r: int, n: int) -> str:

@@ -280,6 +280,16 @@ def test_a_corrupted_result_is_counted_wrong_and_fails_the_run():
     assert "# Out of bounds values : 4 FAILED" in out.splitlines()
 
 
+@pytest.mark.timeout(120)
+def test_registered_buffers_run_the_read_algorithm_and_check_out():
+    rc, out, err = _run_cli(["all_gather", "-n", "2", "-b", "1K", "-e", "16K", "-f", "4", "--iters", "2",
+                             "--warmup", "1", "--check", "--registered", "--algo", "read,ring", "--no-progress"])
+    assert rc == 0, err
+    assert "# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); peers' plain numpy" in out
+    rows = _rows(out)
+    assert len(rows) == 6 and all(r[8] == "0" and r[12] == "0" for r in rows), out
+
+
 def test_all_to_all_has_no_in_place_row():
     """nccl-tests leaves its in-place alltoall unchecked; ringcomm refuses overlapping buffers, so the
     worker never runs it and the table says N/A there, out of the average."""

@@ -1,4 +1,5 @@
-"""The ibverbs transport: slot FIFOs over RC queue pairs, its failure modes, and collectives over it.
+"""What only the ibverbs transport has: device selection, its close and crash notices, collectives over it.
+The contract every transport shares is tests/test_conformance.py's (its ibverbs cases carry ``rdma``).
 
 Everything marked ``rdma`` needs pyverbs and an active RDMA port; without them it is skipped with
 the reason. No machine here has an RDMA NIC: .ci/run runs these tests inside a QEMU guest with
@@ -9,17 +10,16 @@ from __future__ import annotations
 
 import os
 import re
-import threading
 import time
 
 import numpy as np
 import pytest
 
 from ringcomm.store import HashStore
-from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout
+from ringcomm.transport.base import LinkContext, PeerGone
 from ringcomm.transport import ibverbs, verbs
 import jobs
-from link_helpers import pattern, recv, run_threads, send
+from link_helpers import pattern, recv, send
 from link_helpers import soon as _soon
 
 WHY_NOT = ibverbs.unavailable()
@@ -55,16 +55,6 @@ def transports():
         t.close()
 
 
-@pytest.fixture
-def links(transports):
-    """(t0, t1, s01, r01, s10, r10): sXY sends from rank X to rank Y, rXY receives it at Y."""
-    store = HashStore(timeout=10)
-    t0, t1 = transports(0, store), transports(1, store)
-    s01, s10 = t0.connect_send(1, soon()), t1.connect_send(0, soon())  # never waits for the peer
-    r01, r10 = t1.connect_recv(0, soon()), t0.connect_recv(1, soon())
-    return t0, t1, s01, r01, s10, r10
-
-
 # ---- without a device (runs on every machine that has none) ---------------------------------
 
 
@@ -97,115 +87,7 @@ def test_hca_and_gid_selection_follow_nccl_syntax(monkeypatch):
     assert verbs.gid_index("nodev", 1, is_ib=True) == 0
 
 
-# ---- conformance over a real verbs stack ------------------------------------------------------
-
-
-@rdma
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("slot_bytes, nslots, count", [(SLOT, 4, 40), (1 << 20, 2, 6)])
-def test_both_directions_at_once_many_slices(transports, slot_bytes, nslots, count):
-    # Each rank posts a slice, then waits for the peer's, as a ring step does; many more slices
-    # than slots, so credits must flow back; sizes 0, 1, slot - 1 and full slots.
-    store = HashStore(timeout=10)
-    t0, t1 = (transports(r, store, slot_bytes=slot_bytes, nslots=nslots) for r in (0, 1))
-    s01, s10 = t0.connect_send(1, soon()), t1.connect_send(0, soon())
-    r01, r10 = t1.connect_recv(0, soon()), t0.connect_recv(1, soon())
-    sizes = [slot_bytes, 0, 1, slot_bytes - 1, *[slot_bytes] * (count - 4)]
-
-    def rank(me, out, inp):
-        for i, n in enumerate(sizes):
-            send(out, pattern(me, i, n), soon(30))
-            got = inp.wait(soon(30))
-            assert got.size == n and np.array_equal(got, pattern(1 - me, i, n)), f"slice {i}"
-            inp.release()
-
-    run_threads(lambda: rank(0, s01, r10), lambda: rank(1, s10, r01), timeout=60.0)
-    assert (s01.transport, r01.transport) == ("ibverbs", "ibverbs")
-
-
-@rdma
-@pytest.mark.timeout(60)
-def test_sender_runs_ahead_then_waits_for_credit(links):
-    _, _, s01, r01, _, _ = links
-    for i in range(4):  # nslots slices with nobody reading: the remote slots fill
-        send(s01, pattern(0, i, SLOT), soon())
-    with pytest.raises(PeerTimeout, match=r"rank 0 \(this process\) timed out waiting for a free slot "
-                                          r"to send to rank 1 over ibverbs") as e:
-        s01.acquire(soon(1.2))  # long enough for liveness probes, which a live peer acknowledges
-    assert (e.value.peer, e.value.transport) == (1, "ibverbs")
-    np.testing.assert_array_equal(recv(r01, soon()), pattern(0, 0, SLOT))  # one credit back
-    send(s01, pattern(0, 4, SLOT), soon())
-    for i in range(1, 5):
-        np.testing.assert_array_equal(recv(r01, soon()), pattern(0, i, SLOT))
-    with pytest.raises(PeerTimeout):
-        r01.wait(soon(1.2))  # the receiver probes too
-    assert s01.error is None and r01.error is None
-    send(s01, pattern(0, 5, 10), soon())
-    np.testing.assert_array_equal(recv(r01, soon()), pattern(0, 5, 10))
-
-
-@rdma
-@pytest.mark.timeout(60)
-def test_api_misuse_is_explained_and_several_slots_are_held_in_order(links):
-    _, _, s01, r01, _, _ = links
-    with pytest.raises(RuntimeError, match="without a slot"):
-        s01.post(1)
-    a, b = s01.acquire(soon()), s01.acquire(soon())  # two held at once (the device proxy does this)
-    assert a.ctypes.data != b.ctypes.data
-    a[:3], b[:3] = 1, 2
-    with pytest.raises(ValueError, match=f"0..{SLOT}"):
-        s01.post(SLOT + 1)
-    s01.post(3)  # the oldest held slot goes first
-    s01.post(3)
-    first, second = r01.wait(soon()), r01.wait(soon())
-    assert list(first) == [1, 1, 1] and list(second) == [2, 2, 2]
-    r01.release()
-    r01.release()
-    with pytest.raises(RuntimeError, match="without a slot"):
-        r01.release()
-
-
-@rdma
-@pytest.mark.timeout(60)
-def test_deadlines_and_abort(links, transports):
-    _, _, _, r01, _, _ = links
-    with pytest.raises(PeerTimeout, match=r"rank 1 .*timed out waiting for data from rank 0 over ibverbs"):
-        r01.wait(soon(0.2))
-    lonely = transports(0, HashStore(), world_size=3)
-    lonely.connect_send(2, soon())  # returns at once: it never waits for the peer
-    with pytest.raises(PeerTimeout, match="rank 2 to publish its ibverbs queue pair"):
-        lonely.connect_recv(2, soon(0.2))
-    abort = threading.Event()
-    store = HashStore(timeout=10)
-    a0, a1 = transports(0, store, abort=abort), transports(1, store, abort=abort)
-    a0.connect_send(1, soon())
-    ra = a1.connect_recv(0, soon())
-    caught = []
-    waiter = threading.Thread(target=lambda: caught.append(pytest.raises(Aborted, ra.wait, soon(60))))
-    waiter.start()
-    abort.set()
-    waiter.join(10)
-    assert len(caught) == 1 and "abort" in str(caught[0].value)
-
-
-@rdma
-@pytest.mark.timeout(60)
-def test_peer_closing_gives_peer_gone_after_its_data(links):
-    t0, t1, s01, r01, s10, r10 = links
-    for i in range(3):
-        send(s10, pattern(1, i, 1000), soon())
-    t1.close()  # lets those three slices be acknowledged, then announces the close
-    t1.close()
-    for i in range(3):
-        np.testing.assert_array_equal(recv(r10, soon()), pattern(1, i, 1000))
-    with pytest.raises(PeerGone, match=r"rank 1 closed its end of the ibverbs link to rank 0") as e:
-        r10.wait(soon())
-    assert e.value.peer == 1
-    with pytest.raises(PeerGone, match=r"rank 1 closed its end of the ibverbs link from rank 0"):
-        for i in range(10):
-            send(s01, pattern(0, i, 10), soon())
-    with pytest.raises(Aborted, match="closed by this process"):
-        s10.acquire(soon())
+# ---- over a real verbs stack -------------------------------------------------------------------
 
 
 @rdma
@@ -257,27 +139,6 @@ def test_mismatched_fifo_settings_are_explained(transports):
     t1.connect_recv(0, soon())
     with pytest.raises(PeerGone, match="RINGCOMM_BUFFSIZE and RINGCOMM_NSLOTS alike"):
         s01.acquire(soon())
-
-
-@rdma
-@pytest.mark.timeout(60)
-def test_close_is_idempotent_and_releases_fds(transports):
-    store = HashStore(timeout=10)
-    ctx = dict(world_size=2, store=store, prefix="fd", token="t", nslots=4, slot_bytes=SLOT)
-    fds = len(os.listdir("/proc/self/fd"))
-    t0 = ibverbs.IbverbsTransport(LinkContext(rank=0, **ctx))
-    t1 = ibverbs.IbverbsTransport(LinkContext(rank=1, **ctx))
-    try:
-        s01, r01 = t0.connect_send(1, soon()), t1.connect_recv(0, soon())
-        send(s01, pattern(0, 0, 100), soon())
-        recv(r01, soon())
-    finally:
-        t0.close()
-        t1.close()
-    t0.close()
-    with pytest.raises(Aborted, match="closed"):
-        t0.connect_send(1, soon())
-    assert len(os.listdir("/proc/self/fd")) == fds
 
 
 # ---- collectives over ibverbs -----------------------------------------------------------------

@@ -96,6 +96,20 @@ def process_gone(pid: int) -> bool:
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs: kill(pid, 0) answers, and it is no zombie (see
+    process_gone). 0 or less means "not attached yet": nothing to say, so True."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it exists; /proc still tells a zombie
+    return not process_gone(pid)
+
+
 def wait_key(ctx: LinkContext, key: str, deadline: float, peer: int, transport: str) -> bytes:
     """A store key the peer publishes, waited for in short pieces so that an abort or the
     watchdog is heard while connecting too (the store's own wait hears neither)."""

@@ -162,6 +162,11 @@ class _DeviceLink:
             except CudaError as e:
                 errors.append(e)
             self.base = 0
+        # STAGED slots, their typed views and the flags view the segment's mapping, which closes
+        # (and gives back its fd) only once no view of it is left: the flags keep a copy of their word
+        # (a patrol may still read them), the slots go.
+        self.slots, self._typed = None, {}
+        self.filled, self.freed = (Flag(f.host.copy(), f.dev) for f in (self.filled, self.freed))
         for e in errors:                      # cleanup never raises: an earlier error is what matters
             _info(f"cuda_ipc to rank {self.peer}: cleanup: {e}")
 
@@ -173,7 +178,7 @@ class CudaIpcSend(_DeviceLink, ShmSend):
 
     def acquire(self, deadline: float):
         if self.slots is None:                          # the receiver's choice, once: it is connected by now
-            words = self.seg.words
+            words = self._words()                       # (closed: Aborted)
             if not words[MODE]:
                 self._wait(lambda: words[MODE] != 0, deadline, "the slot placement (ipc or staged) from")
             self._map_slots(int(words[MODE]))
@@ -210,6 +215,7 @@ class CudaIpcSend(_DeviceLink, ShmSend):
             time.sleep(1e-3)
         peer_done = peer_done()
         self._free(stuck or not peer_done)
+        words = None                        # a view of the mapping: it would keep it (and its fd) open
         self.seg.close()
 
 
@@ -257,6 +263,7 @@ class CudaIpcTransport(ShmTransport):
         return f"{self.ctx.prefix}/cuda_ipc/{src}->{dst}"
 
     def connect_send(self, peer: int, deadline: float) -> SendConnection:
+        self._check_open(peer)
         CudaIpcTransport._serial += 1
         name = f"rc-{self.job}-{os.getpid()}-g{CudaIpcTransport._serial}"
         ctx, rt = self.ctx, self.rt
@@ -291,6 +298,7 @@ class CudaIpcTransport(ShmTransport):
         return conn
 
     def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
+        self._check_open(peer)
         published = json.loads(wait_key(self.ctx, self._key(peer, self.ctx.rank), deadline, peer, self.name))
         if "failed" in published:
             raise PeerGone(f"rank {peer} failed to set up its end: {published['failed']}", peer=peer,
@@ -344,6 +352,9 @@ class CudaIpcTransport(ShmTransport):
         cannot write it any more (dead, closed), on abort, or after half the grace: a live peer's GPU
         normally catches up long before, and releasing early would let our stream reuse a slot the peer
         still reads."""
+        self.closed = True  # later connects raise Aborted, as on shm
+        for link in self.links:  # the senders' CLOSED word, as comm's Links.close sets it first
+            link.close()
         deadline = time.monotonic() + CLOSE_GRACE
         half = time.monotonic() + CLOSE_GRACE / 2
         abort = self.ctx.abort

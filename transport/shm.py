@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from .base import (PATROL_PERIOD, Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
-                   SendConnection, Transport, process_gone, wait_key)
+                   SendConnection, Transport, pid_alive, wait_key)
 
 MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
 HDR = 4096
@@ -60,6 +60,27 @@ def unlink_named() -> None:
         _NAMED.discard(path)
 
 
+def track(path: str) -> None:
+    """Count a segment this process created (outside this module: ringcomm/registered.py) among
+    the names unlink_named removes."""
+    _NAMED.add(path)
+
+
+def untrack(path: str) -> None:
+    """Forget a name track() recorded whose file was never made."""
+    _NAMED.discard(path)
+
+
+def unlink_tracked(path: str) -> None:
+    """Unlink a tracked name now (peers that mapped the segment keep it)."""
+    if path in _NAMED:
+        _NAMED.discard(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
 def remove_stale(job: str) -> list[str]:
     """Remove segments of ``job`` whose creator (the pid in the name) is dead: what a
     SIGKILLed rank of an earlier run left behind."""
@@ -77,16 +98,7 @@ def remove_stale(job: str) -> list[str]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return True  # not attached yet: nothing to say
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not process_gone(pid)
+_pid_alive = pid_alive  # the name cuda_ipc.py and the tests import
 
 
 class _Segment:
@@ -168,15 +180,24 @@ class _Link:
                 raise PeerTimeout(f"waiting for {what} rank {self.peer} over {self.transport}",
                                   peer=self.peer, transport=self.transport)
 
+    def _words(self) -> np.ndarray:
+        words = self.seg.words
+        if words is None:
+            raise Aborted(f"the {self.transport} link to rank {self.peer} was closed by this process",
+                          peer=self.peer, transport=self.transport)
+        return words
+
     def addresses(self) -> tuple[int, int]:
         """(header words, slot 0) as addresses: slot i starts at slot 0 + i * slot_bytes. For a
         compiled loop that follows this protocol itself (ringcomm's native engine); it must keep
         the ``count`` of this end (posted or released) and write it back before calling wait or
-        acquire again."""
+        acquire again. Writing ``count`` also ends the hold of a slot that wait() or acquire()
+        returned to the loop: the loop released or posted it itself."""
+        self._words()  # a closed link has no addresses: compiled code must not write there
         return self.seg.base, self.seg.base + HDR
 
     def _check_peer(self, what: str) -> None:
-        words = self.seg.words
+        words = self._words()
         if words[self._peer_closed_word]:
             raise PeerGone(f"rank {self.peer} closed its end of the link while this rank waited for {what} it",
                            peer=self.peer, transport=self.transport)
@@ -192,6 +213,7 @@ class ShmSend(_Link, SendConnection):
         seg.words[SENDER_PID] = os.getpid()
         self.posted = 0  # our own copy: only we write POSTED
         self.unlinked = False
+        self.held = False  # a slot acquired and not yet posted
 
     @property
     def count(self) -> int:
@@ -200,31 +222,45 @@ class ShmSend(_Link, SendConnection):
     @count.setter
     def count(self, value: int) -> None:
         self.posted = value
+        self.held = False  # a compiled loop posted the slot that acquire() gave it
 
     def settle(self) -> bool:
-        """Unlink the segment's name once the receiver has mapped it; whether that is done."""
-        if not self.unlinked and self.seg.words[RECEIVER_PID]:
+        """Unlink the segment's name once the receiver has mapped it; whether that is done (after
+        close() it is: close unlinks it)."""
+        words = self.seg.words
+        if words is None:
+            return True
+        if not self.unlinked and words[RECEIVER_PID]:
             self.seg.unlink()  # both ends are mapped: the name is no longer needed
             self.unlinked = True
         return self.unlinked
 
     def acquire(self, deadline: float) -> np.ndarray:
-        words = self.seg.words
+        words = self._words()
+        if self.held:
+            raise RuntimeError("acquire() called again before post()")
         if not self.unlinked:
             self.settle()
         limit = self.posted - self.nslots
         if words[RELEASED] <= limit:
             self._wait(lambda: words[RELEASED] > limit, deadline, "a free slot from")
+        self.held = True
         return self.seg.slots[self.posted % self.nslots]
 
     def ready(self) -> bool:
-        return self.seg.words[RELEASED] > self.posted - self.nslots
+        words = self.seg.words  # closed by this process: acquire() raises at once
+        return words is None or words[RELEASED] > self.posted - self.nslots
 
     def check(self) -> None:
         self._check_peer("a free slot from")
 
     def post(self, nbytes: int) -> None:
-        words = self.seg.words
+        words = self._words()
+        if not self.held:
+            raise RuntimeError("post() without a slot from acquire()")
+        if not 0 <= nbytes <= self.slot_bytes:
+            raise ValueError(f"post({nbytes}): a slot holds 0..{self.slot_bytes} bytes")
+        self.held = False
         words[SIZES + self.posted % self.nslots] = nbytes
         self.posted += 1
         words[POSTED] = self.posted  # after the data and the size: see the TSO note above
@@ -241,6 +277,7 @@ class ShmRecv(_Link, RecvConnection):
         super().__init__(ctx, peer, seg, SENDER_PID, CLOSED)
         seg.words[RECEIVER_PID] = os.getpid()
         self.released = 0
+        self.held = False  # a slot returned by wait() and not yet released
 
     @property
     def count(self) -> int:
@@ -249,24 +286,33 @@ class ShmRecv(_Link, RecvConnection):
     @count.setter
     def count(self, value: int) -> None:
         self.released = value
+        self.held = False  # a compiled loop released the slot that wait() gave it
 
     def wait(self, deadline: float) -> np.ndarray:
-        words = self.seg.words
+        words = self._words()
+        if self.held:
+            raise RuntimeError("wait() called again before release()")
         want = self.released
         if words[POSTED] <= want:
             self._wait(lambda: words[POSTED] > want, deadline, "the next slice from")
         i = want % self.nslots
+        self.held = True
         return self.seg.slots[i][: int(words[SIZES + i])]
 
     def ready(self) -> bool:
-        return self.seg.words[POSTED] > self.released
+        words = self.seg.words  # closed by this process: wait() raises at once
+        return words is None or words[POSTED] > self.released
 
     def check(self) -> None:
         self._check_peer("the next slice from")
 
     def release(self) -> None:
+        words = self._words()
+        if not self.held:
+            raise RuntimeError("release() without a slot from wait()")
+        self.held = False
         self.released += 1
-        self.seg.words[RELEASED] = self.released
+        words[RELEASED] = self.released
 
     def close(self) -> None:
         if self.seg.words is not None:
@@ -282,12 +328,18 @@ class ShmTransport(Transport):
         super().__init__(ctx)
         self.job = os.environ.get("RINGCOMM_JOB_ID", "x")
         self.links: list[_Link] = []
+        self.closed = False
         remove_stale(self.job)
+
+    def _check_open(self, peer: int) -> None:
+        if self.closed:
+            raise Aborted(f"the {self.name} transport was closed by this process", peer=peer, transport=self.name)
 
     def _key(self, src: int, dst: int) -> str:
         return f"{self.ctx.prefix}/shm/{src}->{dst}"
 
     def connect_send(self, peer: int, deadline: float) -> SendConnection:
+        self._check_open(peer)
         ShmTransport._serial += 1
         name = f"rc-{self.job}-{os.getpid()}-{ShmTransport._serial}"
         seg = _Segment(name, self.ctx.nslots, self.ctx.slot_bytes, create=True)
@@ -297,6 +349,7 @@ class ShmTransport(Transport):
         return conn
 
     def connect_recv(self, peer: int, deadline: float) -> RecvConnection:
+        self._check_open(peer)
         name = wait_key(self.ctx, self._key(peer, self.ctx.rank), deadline, peer, "shm").decode()
         try:
             seg = _Segment(name, self.ctx.nslots, self.ctx.slot_bytes, create=False)
@@ -308,6 +361,7 @@ class ShmTransport(Transport):
         return conn
 
     def close(self) -> None:
+        self.closed = True
         for link in self.links:
             link.close()
         self.links.clear()

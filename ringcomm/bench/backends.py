@@ -32,6 +32,10 @@ class Backend:
     def check(self, collective: str, dtype: np.dtype, op: str) -> None:
         """Raise Unsupported before any call if this backend cannot run the sweep."""
 
+    def alloc(self, count: int, dtype) -> np.ndarray:
+        """A buffer registered with the library (ringcomm-bench --registered); every rank calls it."""
+        raise Unsupported(f"{self.name} has no registered buffers")
+
     def call(self, collective, inp, out, op, root, in_place):
         raise NotImplementedError
 
@@ -113,6 +117,9 @@ class RingcommBackend(Backend):
             src = inp if self.rank == root else None
             return (lambda: c.scatter(src, out, root, algo=a)), out
         raise ValueError(f"unknown collective {collective!r}")
+
+    def alloc(self, count, dtype):
+        return self.comm.alloc(count, dtype)
 
     def barrier(self):
         self.comm.barrier()

@@ -1,7 +1,7 @@
 """`ringcomm-bench`: nccl-tests' all_reduce_perf and friends for ringcomm, with peers side by side.
 
     ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
-                   --warmup W --check [--algo A] [--transport T] [--engine python|native]
+                   --warmup W --check [--algo A] [--transport T] [--engine python|native] [--registered]
                    [--json FILE] [--plot FILE.png] [--peer gloo|mpi|nccl]... [--reproducible]
 
 It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one job after the
@@ -48,6 +48,9 @@ def parse_args(argv):
     p.add_argument("--transport", choices=("shm", "tcp"), default=None, help="force ringcomm's transport")
     p.add_argument("--engine", choices=("native", "python"), default=None,
                    help="ringcomm's engine over shm (RINGCOMM_ENGINE; default native)")
+    p.add_argument("--registered", action="store_true",
+                   help="ringcomm's buffers from comm.alloc (peers map them: one-copy 'read' algorithms); "
+                        "peers keep plain buffers")
     p.add_argument("--peer", action="append", default=[], choices=PEERS, help="also run this library")
     p.add_argument("--json", metavar="FILE", help="write every figure, versions and machine facts")
     p.add_argument("--plot", metavar="FILE.png", help="busbw against size, with the memcpy ceiling")
@@ -98,6 +101,7 @@ def run_job(backend, a, algos, progress):
     cfg = {"collective": a.collective, "dtype": a.datatype, "op": a.op, "root": a.root, "sizes": a.sizes,
            "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
            "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
+           "registered": a.registered and backend == "ringcomm",
            "engine": a.engine, "reproducible": a.reproducible}
     job = Job(backend, a.ranks, cfg)
     facts, pending, rows, ok = {}, {}, {}, False
@@ -142,6 +146,9 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
         facts["cores"], facts["cores_usable"], facts["python"], facts["numpy"],
         "n/a" if facts["loadavg_at_start"] is None else "%.2f" % facts["loadavg_at_start"][0]))
     lines.append("# memcpy (one core, 64 MiB, measured in this run): %.2f GB/s" % memcpy)
+    if a.registered:
+        lines.append("# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); "
+                     "peers' plain numpy")
     for name, run in peers.items():
         lines.append(f"# Peer {name}: {run['facts'].get('library', '?')}")
     for name, why in skipped.items():
@@ -227,7 +234,7 @@ def _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows):
     doc = {"command": ["ringcomm-bench"] + list(sys.argv[1:] if argv is None else argv),
            "config": {k: getattr(a, k) for k in ("collective", "ranks", "minbytes", "maxbytes", "stepfactor",
                                                   "datatype", "op", "root", "iters", "warmup", "check",
-                                                  "algos", "transport", "engine", "sizes")},
+                                                  "algos", "transport", "engine", "registered", "sizes")},
            "machine": facts, "memcpy_gbps": memcpy, "ringcomm": mine, "peers": peers, "skipped": skipped,
            "summary": {"out_of_bounds": report.out_of_bounds(rows), "avg_busbw": report.avg_busbw(rows)}}
     with open(a.json, "w") as f:

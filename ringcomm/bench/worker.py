@@ -139,7 +139,9 @@ def run(be, cfg) -> None:
     largest = max(spec.counts(coll, s, dt.itemsize, n)[3] for s in cfg["sizes"]) // dt.itemsize
     # Allocated once at the largest size and touched, as nccl-tests does: no row pays page faults
     # for the benchmark's own buffers.
-    bufs = tuple(np.zeros(max(largest, 1), dt) for _ in range(3))
+    registered = cfg.get("registered", False)  # ringcomm-bench --registered: comm.alloc buffers
+    bufs = tuple(be.alloc(max(largest, 1), dt) if registered and i < 2 else np.zeros(max(largest, 1), dt)
+                 for i in range(3))
     for b in bufs:
         b[...] = 0  # np.zeros maps untouched pages; writing them faults them in now
     be.register(bufs[0], bufs[1])

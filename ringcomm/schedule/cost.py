@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from . import peer_read
 from .simulate import _check_pairing, _validate
 from .step import TO, Schedule
 
@@ -92,6 +93,7 @@ def messages(scheds: list[Schedule], nbytes) -> Messages:
                 if got and _stage(s, i, j, depth) <= max(got):
                     raise ValueError(f"rank {s.rank} step {i} {st}: sends in stage {_stage(s, i, j, depth)} "
                                      f"what it receives in stage {max(got)}; a send's stage must be later")
+    peer_read.cost_messages(scheds, m, chunk)  # reads of registered buffers, and syncs
     m.size, m.items, m.reduced = dict(m.size), dict(m.items), dict(m.reduced)
     return m
 

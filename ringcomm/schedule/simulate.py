@@ -40,6 +40,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from . import peer_read
 from .faults import (DEADLOCK, MALFORMED, POST_OP, READ_AFTER_WRITE, TWICE, UNMATCHED, Failure,
                      ScheduleError)
 from .spec import IN_PLACE, aliases, input_name, output_cell, postcondition, spec
@@ -85,6 +86,7 @@ def _validate(schedules: list[Schedule]) -> int:
             if len(st.src) > 1 and not st.reduces:
                 raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"rank {r} step {i} {st}: "
                                              f"receives from several peers without reducing")])
+    peer_read.validate(schedules)  # steps that read registered buffers
     return n
 
 
@@ -217,6 +219,8 @@ class _Sim:
         took or acquired before waiting stays taken, as in the executor; that enables no other
         rank (only posting and releasing do, in _compute), so run() need not count it as a move."""
         step, me = st.sched.steps[st.index], st.sched.rank
+        if step.remote and not peer_read.advance(self, st, step):  # reads a registered buffer, or syncs
+            return False
         while len(st.got) < len(step.src):
             c = self.conn(step.src[len(st.got)], me)
             if not c.queue:
@@ -238,7 +242,9 @@ class _Sim:
 
     def _compute(self, st: _Rank, step: Step) -> None:
         s, me = st.sched, st.sched.rank
-        if not step.recvs or step.reduces:  # reads the input, before anything is written
+        if step.remote:  # reads a peer's registered buffer, or syncs: schedule/peer_read.py
+            value = peer_read.value(self, st, step)
+        elif not step.recvs or step.reduces:  # reads the input, before anything is written
             value = self._read(st, step, input_name(s, step.chunk))
         else:
             value = st.got[0].value
@@ -307,7 +313,9 @@ class _Sim:
                 continue
             step, me = st.sched.steps[st.index], st.sched.rank
             first = first or st
-            if len(st.got) < len(step.src):
+            if step.remote:
+                wait = peer_read.waiting(self, st, step)[1]
+            elif len(st.got) < len(step.src):
                 peer = step.src[len(st.got)]
                 wait = f"waits for a slice from rank {peer} (FIFO {peer}->{me} is empty)"
                 if self.ranks[peer].done:

@@ -74,16 +74,40 @@ KINDS = {
 }
 
 
+# Steps on registered buffers (comm.alloc: memory the host's other ranks map), which read a
+# peer's buffer in place of a FIFO. ``remote`` names the peers read, in the order they are
+# combined; no src or dst. kind: (the peers' buffer read, reduce, copy)
+#   read_copy          output[chunk] = the peer's input chunk
+#   read_reduce_copy   output[chunk] = input[chunk] op peer_1's input chunk op peer_2's ...  (final)
+#   read_out_copy      output[chunk] = the peer's output chunk, which it wrote before the last sync
+#   sync               wait until every peer in ``remote`` has reached this sync too (a barrier)
+# A peer's buffers may be read only while it is inside the call: a schedule with reads ends with
+# a sync on every rank, and what a read takes from a peer's output was written in an earlier
+# phase (between earlier syncs). The simulator checks both (schedule/peer_read.py).
+READS = {
+    "read_copy": ("in", False, True),
+    "read_reduce_copy": ("in", True, True),
+    "read_out_copy": ("out", False, True),
+    "sync": (None, False, False),
+}
+
+
 @dataclass(frozen=True)
 class Step:
     kind: str
     chunk: int
     src: tuple[int, ...] = ()
     dst: tuple[int, ...] = ()
+    remote: tuple[int, ...] = ()  # the peers a READS step reads (or syncs with)
 
     def __post_init__(self):
+        if self.kind in READS:
+            self._init_read()
+            return
         if self.kind not in KINDS:
             raise ValueError(f"unknown step kind {self.kind!r}")
+        if self.remote:
+            raise ValueError(f"{self.kind} moves data through FIFOs: remote= is for {sorted(READS)}")
         recv, _, _, send = KINDS[self.kind]
         if recv != bool(self.src) or send != bool(self.dst):
             raise ValueError(f"{self.kind} needs src={'peers' if recv else '()'} "
@@ -95,7 +119,19 @@ class Step:
         # step yields the chunk's finished reduction, where AVG's division is applied.
         recvs, reduces, copies, sends = KINDS[self.kind]
         for name, value in (("recvs", recvs), ("reduces", reduces), ("copies", copies),
-                            ("sends", sends), ("final", reduces and copies)):
+                            ("sends", sends), ("final", reduces and copies), ("reads", None)):
+            object.__setattr__(self, name, value)
+
+    def _init_read(self) -> None:
+        buffer, reduces, copies = READS[self.kind]
+        if self.src or self.dst or not self.remote:
+            raise ValueError(f"{self.kind} needs remote=peers and no src or dst, got src={self.src} "
+                             f"dst={self.dst} remote={self.remote}")
+        if len(self.remote) > 1 and buffer is not None and not reduces:
+            raise ValueError(f"{self.kind} reads {len(self.remote)} peers but does not reduce: "
+                             f"which value would it keep?")
+        for name, value in (("recvs", False), ("reduces", reduces), ("copies", copies), ("sends", False),
+                            ("final", reduces and copies), ("reads", buffer)):
             object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
@@ -104,6 +140,8 @@ class Step:
             s += f", from={list(self.src)}"
         if self.dst:
             s += f", to={list(self.dst)}"
+        if self.remote:
+            s += f", {'with' if self.kind == 'sync' else 'reads'}={list(self.remote)}"
         return s + ")"
 
 
@@ -147,6 +185,22 @@ def recv_reduce_copy_send(c, frm, to):
     return Step("recv_reduce_copy_send", c, _peers(frm), _peers(to))
 
 
+def read_copy(c, frm):
+    return Step("read_copy", c, remote=_peers(frm))
+
+
+def read_reduce_copy(c, frm):
+    return Step("read_reduce_copy", c, remote=_peers(frm))
+
+
+def read_out_copy(c, frm):
+    return Step("read_out_copy", c, remote=_peers(frm))
+
+
+def sync(peers):
+    return Step("sync", 0, remote=_peers(peers))
+
+
 @dataclass(frozen=True)
 class Schedule:
     """One rank's part of a collective algorithm."""
@@ -164,12 +218,19 @@ class Schedule:
     # count as one message (one alpha), as MPI would send them; empty means "the step's depth
     # in the dataflow" (schedule/cost.py).
     stages: tuple = ()
+    # Whether it reads peers' registered buffers (comm.alloc) rather than using FIFOs: derived from
+    # the steps in __post_init__ (a value given is ignored), so the executor's per-call question
+    # costs an attribute read. A field, so that Schedule(**{**s.__dict__, "steps": ...}) works.
+    registered: bool = field(default=False, compare=False, repr=False)
 
     def peers(self) -> tuple[set[int], set[int]]:
         """(ranks this schedule receives from, ranks it sends to)."""
         srcs = {p for s in self.steps for p in s.src}
         dsts = {p for s in self.steps for p in s.dst}
         return srcs, dsts
+
+    def __post_init__(self):
+        object.__setattr__(self, "registered", any(s.remote for s in self.steps))
 
     def __str__(self) -> str:
         head = (f"{self.collective}/{self.algo} rank {self.rank} of {self.world_size}: "

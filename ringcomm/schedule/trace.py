@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from . import peer_read
 from .faults import DEADLOCK, UNMATCHED, Failure, ScheduleError
 from .simulate import _Sim, fifo
 from .spec import output_cell
@@ -76,7 +77,9 @@ class TracingSim(_Sim):
             if st.done:
                 continue
             step, me = st.sched.steps[st.index], st.sched.rank
-            if len(st.got) < len(step.src):
+            if step.remote:  # a read of a registered buffer, or a sync (schedule/peer_read.py)
+                waits[me] = peer_read.waiting(self, st, step)
+            elif len(st.got) < len(step.src):
                 peer = step.src[len(st.got)]
                 if self.ranks[peer].done:
                     self._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} waits for a "

@@ -1,0 +1,132 @@
+"""The one-copy engine: runs the read steps of schedule/onecopy.py on registered buffers (comm.alloc).
+
+ringcomm/registered.py maps the segments; this module is the protocol over them. Each rank's
+control segment (int64 words, written only by its owner, read by its peers; each word is stored
+after what it announces, which x86's store order makes visible first, as transport/shm.py
+explains and checks) holds:
+
+    CALLS        registered calls this rank has entered; the descriptor below belongs to the last
+    DESC..+3     where this call's input and output are: (allocation index, byte offset) each
+    SYNC + p     syncs this rank has reached with rank p (step kind "sync"), counted for the whole run
+    PID, CLOSED  liveness, as in transport/shm.py; MAPPED: allocations whose peers this rank mapped
+
+A read of peer q's buffer waits until q's CALLS reaches this call (q has entered it and its
+descriptor is valid). A sync with p first counts this rank's arrival, then waits until p's count
+for this rank catches up. Every schedule ends with a sync with each peer it read (the simulator
+checks it), so no rank returns, and lets its caller overwrite the buffer, while a peer still
+reads it. All ranks make the same registered calls in the same order, so call numbers agree.
+
+One call is one round over the whole buffer (no slicing: nothing is staged). Reductions run in
+cache-sized pieces, so the n - 1 passes over an output piece stay in L2. numpy, whichever engine
+the communicator runs: the executor sends read schedules here before the native engine sees them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ringcomm.kernels import host as kernels
+
+from .buffers import address
+from .errors import RingcommError
+from .schedule.step import chunk_span
+
+PID, CLOSED, CALLS, MAPPED, DESC, SYNC = 1, 2, 3, 4, 8, 16  # int64 word indices (word 0: magic)
+PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated passes stay in L2
+
+
+class ReadEngine:
+    """One communicator's engine for read steps, over its Registry's mappings."""
+
+    def __init__(self, reg):
+        self.reg = reg
+        self.calls = 0                       # registered calls entered, as published in CALLS
+        self.syncs = [0] * reg.n             # syncs reached with each peer, as published in SYNC + p
+        self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
+
+    def run(self, ex, sched, call) -> None:
+        """Run a "read" schedule (one round: the whole buffer) on registered buffers."""
+        words = self.reg.ctl.bytes.view(np.int64)
+        words[DESC:DESC + 4] = (*self.reg.locate(call.inp), *self.reg.locate(call.out))
+        self.calls += 1
+        words[CALLS] = self.calls  # after the descriptor (x86 store order): peers may read it now
+        views: dict = {}
+        fn = kernels.elementwise(call.op, call.inp.dtype)
+        ex._call, ex._nsteps = call, len(sched.steps)
+        with np.errstate(all="ignore"):
+            for i, step in enumerate(sched.steps):
+                ex._step = i
+                if step.kind == "sync":
+                    self._sync(ex, call, step.remote)
+                else:
+                    self._step(ex, sched, call, step, fn, views)
+
+    def _step(self, ex, sched, call, step, fn, views) -> None:
+        m, me = call.m, self.reg.rank
+        io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
+        oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
+        out = call.out[oo:oo + k]
+        if step.kind == "copy":
+            if address(out) != address(call.inp[io:io + k]):
+                out[...] = call.inp[io:io + k]
+            return
+        if step.reads == "out":
+            srcs = [self._view(ex, call, step.remote[0], "out", views)[oo:oo + k]]
+        else:
+            srcs = [call.inp[io:io + k] if q == me else self._view(ex, call, q, "in", views)[io:io + k]
+                    for q in step.remote]
+        if not step.reduces:
+            out[...] = srcs[0]
+            return
+        mine = [i for i, q in enumerate(step.remote) if q == me]
+        self._reduce(out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]))
+        if step.final:
+            kernels.postprocess(out, call.op, self.reg.n)
+
+    def _reduce(self, out, srcs, fn, via_scratch: bool) -> None:
+        """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
+        input (in place) and that input is not among the first two operands, the first operation
+        would overwrite it before it is read: those pieces are built in a scratch buffer."""
+        piece = max(1, PIECE_BYTES // out.itemsize)
+        scratch = self._scratch(out.dtype, piece) if via_scratch else None
+        for a in range(0, out.size, piece):
+            b = min(a + piece, out.size)
+            acc = scratch[:b - a] if via_scratch else out[a:b]
+            fn(srcs[0][a:b], srcs[1][a:b], out=acc)
+            for s in srcs[2:]:
+                fn(acc, s[a:b], out=acc)
+            if via_scratch:
+                out[a:b] = acc
+
+    def _scratch(self, dtype, size) -> np.ndarray:
+        buf = self.scratch.get(dtype)
+        if buf is None or buf.size < size:
+            buf = self.scratch[dtype] = np.empty(size, dtype)
+        return buf
+
+    def _view(self, ex, call, q: int, which: str, views: dict) -> np.ndarray:
+        """Peer q's input or output of this call, once q has entered it."""
+        got = views.get((q, which))
+        if got is not None:
+            return got
+        words = self.reg.peers[q, "ctl"].bytes.view(np.int64)
+        doing = f"waiting for {call.name} #{call.seq} to start so as to read the registered buffer of"
+        self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex)
+        at = DESC if which == "in" else DESC + 2
+        k, off = int(words[at]), int(words[at + 1])
+        arr = call.inp if which == "in" else call.out
+        seg = self.reg.peers.get((q, k))
+        if seg is None or off + arr.nbytes > seg.size:
+            raise RingcommError(f"rank {self.reg.rank} (this process): rank {q}'s {which}put of {call.name} "
+                                f"#{call.seq} does not fit its allocation #{k}: the ranks passed different sizes")
+        got = views[q, which] = seg.bytes[off:off + arr.nbytes].view(arr.dtype)
+        return got
+
+    def _sync(self, ex, call, peers) -> None:
+        words, me = self.reg.ctl.bytes.view(np.int64), self.reg.rank
+        for p in peers:  # arrive at every pair's barrier first, then wait: no order can deadlock
+            self.syncs[p] += 1
+            words[SYNC + p] = self.syncs[p]
+        for p in peers:
+            theirs, want = self.reg.peers[p, "ctl"].bytes.view(np.int64), self.syncs[p]
+            doing = f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"
+            self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex)

@@ -1,0 +1,285 @@
+"""Registered buffers: ``comm.alloc`` memory that the host's other ranks map.
+
+The host twin of CUDA IPC and of NCCL's ncclMemAlloc plus window registration. ``alloc`` is a
+*collective* call: every rank calls it, in the same order, with the same shape and dtype (NCCL's
+symmetric windows ask the same), so the k-th allocation of every rank is known to all: each rank
+creates a /dev/shm segment (mode 0600), publishes its name in the store and maps every peer's,
+plus, at its first alloc, a small control segment that the one-copy protocol runs on
+(read_engine.py). Collectives whose buffers all lie in such segments run the "read" algorithms
+(schedule/onecopy.py): each rank reads its peers' buffers directly, one copy instead of two.
+Every wait here has the communicator's deadline, hears abort(), checks the peer's pid (a zombie
+counts as dead, transport.base.pid_alive) and feeds the watchdog.
+
+Lifetime: an allocation stays shared until ``comm.close()``. After that the array stays valid
+memory of this process (the mapping lives as long as the array does), but it is private: the
+peers have unmapped it. Segment names leave /dev/shm before alloc returns: alloc waits until
+every peer has mapped them (so a rank that closes at once cannot pull a name from under a slower
+peer), then unlinks them; if alloc fails, close, exit and SIGTERM unlink them (shm.unlink_named).
+
+The engine (read_engine.py) is Python: numpy over whole chunks, cut into cache-sized pieces where
+it reduces; the native engine does not run these steps.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import time
+
+import numpy as np
+
+from ringcomm.kernels import host as kernels
+from ringcomm.transport.base import PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key
+
+from .buffers import address
+from .catalogue import ALGOS
+from .errors import CollectiveTimeout, RingcommError
+from .read_engine import CLOSED, MAPPED, PID, SYNC, ReadEngine
+from .schedule.onecopy import ALGO
+
+MAGIC = 0x52434D5247310001  # "RCMRG1", layout version 1
+# Below this, automatic choice keeps the FIFO algorithms even on registered buffers: the read
+# steps cost more Python per call (2 ranks, this machine, median of 200: 8 B read 28 us, ring
+# 20 us; 16 KiB 33 / 28 us; 64 KiB 46 / 53 us; 1 MiB 191 / 457 us).
+READ_MIN_BYTES = 32 * 1024
+_serial = 0                  # segments this process has created
+
+
+def settle(reg, collective: str, algo: str, auto: bool, x, y, nbytes: int) -> str:
+    """The algorithm to run. Chosen automatically: "read" when buf and out are registered, the
+    collective has a read algorithm (all_to_all, gather and scatter have none) and the call moves
+    at least READ_MIN_BYTES (never on other buffers: a forced RINGCOMM_ALGO=read falls back to the
+    ring there). Asked for by name: "read" on buffers that are not registered is a ValueError."""
+    held = reg is not None and reg.holds(x, y)
+    if auto:
+        if held and nbytes >= READ_MIN_BYTES and ALGO in ALGOS[collective]:
+            return ALGO
+        return "ring" if algo == ALGO else algo
+    if algo == ALGO and not held and not (reg is not None and reg.n == 1):  # one rank: a local copy
+        refuse(collective, algo)
+    return algo
+
+
+def refuse(collective: str, algo: str) -> None:
+    """The ValueError for an algorithm with read steps on buffers that are not registered."""
+    raise ValueError(f"{collective} algo={algo!r} reads the peers' buffers directly: buf and out "
+                     f"must come from comm.alloc(), on a communicator whose ranks all share this host")
+
+
+def _shape(shape) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else shape
+    try:
+        dims = tuple(dims)
+    except TypeError:
+        raise TypeError(f"alloc: shape must be an int or a tuple of ints, got {shape!r}") from None
+    if not all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) for d in dims):
+        raise TypeError(f"alloc: shape must be an int or a tuple of ints, got {shape!r}")
+    if any(d < 0 for d in dims):
+        raise ValueError(f"alloc: shape {shape!r} has a negative dimension")
+    return tuple(int(d) for d in dims)
+
+
+class _Map:
+    """One shared segment, mapped: its bytes as uint8 and its address range."""
+
+    def __init__(self, path: str, size: int, create: bool):
+        from ringcomm.transport import shm  # x86-only, like the rest of shared memory
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        if create:  # tracked before it exists, as in shm.py: a SIGTERM right after the open finds it
+            shm.track(path)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError:
+            if create:
+                shm.untrack(path)
+            raise
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            # MAP_POPULATE: the page faults are paid here, not in the first collective.
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        self.path, self.size = path, size
+        self.bytes = np.frombuffer(self.map, np.uint8)
+        self.base = address(self.bytes)
+
+    def close(self) -> None:
+        self.bytes = None
+        try:
+            self.map.close()
+        except BufferError:  # the user still holds the array: it stays valid, privately
+            pass
+
+
+class Registry:
+    """A communicator's registered allocations, its peers' mappings of theirs, and the engine."""
+
+    def __init__(self, rank: int, world_size: int, links, timeout: float):
+        self.rank, self.n, self.links, self.timeout = rank, world_size, links, timeout
+        self.ctx = links.ctx
+        self.shared = world_size > 1 and all(links.transport_for(p) == "shm" for p in self._others())
+        self.mine: list[_Map] = []      # allocation k -> this rank's segment
+        self.peers: dict = {}           # (peer, k) -> _Map; (peer, "ctl") -> its control segment
+        self.ctl = None                 # this rank's control segment
+        self.named: list = []           # paths of this rank's segments still in /dev/shm
+        self.engine = ReadEngine(self)
+        self.closed = False
+
+    def _others(self):
+        return [p for p in range(self.n) if p != self.rank]
+
+    # ---- alloc ----------------------------------------------------------------------------------
+
+    def alloc(self, shape, dtype) -> np.ndarray:
+        shape, dtype = _shape(shape), np.dtype(dtype)
+        if dtype not in kernels.SUPPORTED_DTYPES:
+            raise TypeError(f"alloc: dtype {dtype} is not one ringcomm reduces; supported: "
+                            f"{', '.join(str(d) for d in kernels.SUPPORTED_DTYPES)}")
+        count = int(np.prod(shape, dtype=np.int64))
+        if not self.shared:  # one rank, or peers on other hosts: nothing to map, ordinary memory
+            return np.zeros(shape, dtype)
+        k = len(self.mine)
+        if self.ctl is None:
+            self.ctl = self._create(8 * (SYNC + self.n))
+            words = self.ctl.bytes.view(np.int64)
+            words[0], words[PID] = MAGIC, os.getpid()
+            self.named.append(self.ctl.path)
+        seg = self._create(max(count * dtype.itemsize, 1))
+        self.mine.append(seg)
+        self.named.append(seg.path)
+        me = {"seg": os.path.basename(seg.path), "ctl": os.path.basename(self.ctl.path),
+              "nbytes": count * dtype.itemsize}
+        self.ctx.store.set(self._key(k, self.rank), json.dumps(me).encode())
+        deadline = time.monotonic() + self.timeout
+        for p in self._others():
+            theirs = json.loads(self._published(k, p, deadline))
+            if theirs["nbytes"] != me["nbytes"]:
+                raise ValueError(f"rank {self.rank} (this process): alloc #{k} has {me['nbytes']} bytes here but "
+                                 f"{theirs['nbytes']} on rank {p}: every rank calls alloc with the same shape "
+                                 f"and dtype, in the same order")
+            if (p, "ctl") not in self.peers:
+                self.peers[p, "ctl"] = self._map(theirs["ctl"], 8 * (SYNC + self.n), p)
+            self.peers[p, k] = self._map(theirs["seg"], max(me["nbytes"], 1), p)
+        self._mapped_everywhere(k)
+        return seg.bytes[:count * dtype.itemsize].view(dtype).reshape(shape)
+
+    def _mapped_everywhere(self, k: int) -> None:
+        """Announce that this rank has mapped its peers' allocation k, wait until every peer has
+        mapped ours, then unlink our names: nothing is left to leak, and no rank can close (and
+        unlink) before a slower peer has mapped its segment."""
+        from ringcomm.transport import shm
+        self.ctl.bytes.view(np.int64)[MAPPED] = k + 1
+
+        def explain(e):
+            what = f"rank {self.rank} (this process) {{}} waiting for rank {e.peer} to map alloc #{k} over shm"
+            if isinstance(e, PeerTimeout):
+                return CollectiveTimeout(what.format(f"timed out after {self.timeout:g} s"))
+            return RingcommError(what.format("was aborted" if isinstance(e, Aborted) else f"failed ({e})"))
+
+        for p in self._others():
+            theirs = self.peers[p, "ctl"].bytes.view(np.int64)
+            self.wait(p, lambda: theirs[MAPPED] >= k + 1, explain)
+        for path in self.named:
+            shm.unlink_tracked(path)
+        self.named = []
+
+    def _create(self, size: int) -> _Map:
+        global _serial
+        _serial += 1  # per process: several communicators' names never collide
+        job = os.environ.get("RINGCOMM_JOB_ID", "x")
+        return _Map(f"/dev/shm/rc-{job}-{os.getpid()}-m{_serial}", size, create=True)
+
+    def _key(self, k: int, rank: int) -> str:
+        return f"{self.ctx.prefix}/alloc/{k}/{rank}"
+
+    def _published(self, k: int, p: int, deadline: float) -> bytes:
+        try:
+            return wait_key(self.ctx, self._key(k, p), deadline, p, "shm")
+        except PeerTimeout:
+            raise CollectiveTimeout(f"rank {self.rank} (this process) timed out after {self.timeout:g} s waiting "
+                                    f"for rank {p} to call alloc #{k} over shm (alloc is collective: every rank "
+                                    f"calls it, in the same order)") from None
+        except Aborted as e:
+            raise RingcommError(f"rank {self.rank} (this process) was aborted in alloc #{k}: {e}") from None
+
+    def _map(self, name: str, size: int, p: int) -> _Map:
+        try:
+            return _Map("/dev/shm/" + name, size, create=False)
+        except FileNotFoundError:
+            raise RingcommError(f"rank {self.rank} (this process): rank {p}'s registered segment {name} "
+                                f"vanished before this rank mapped it (rank {p} closed or died)") from None
+
+    # ---- which buffers -------------------------------------------------------------------------
+
+    def locate(self, arr) -> tuple[int, int] | None:
+        """(allocation index, byte offset) of a flat numpy view inside this rank's allocations."""
+        if not isinstance(arr, np.ndarray):
+            return None
+        a = address(arr)
+        for k, seg in enumerate(self.mine):
+            if seg.base <= a and a + arr.nbytes <= seg.base + seg.size:
+                return k, a - seg.base
+        return None
+
+    def holds(self, x, y) -> bool:
+        return bool(self.mine) and self.locate(x) is not None and self.locate(y) is not None
+
+    # ---- the engine (read_engine.py) and the waits both use --------------------------------------
+
+    def run(self, ex, sched, call) -> None:
+        """Run a "read" schedule on registered buffers (the executor's hook)."""
+        self.engine.run(ex, sched, call)
+
+    def wait(self, peer: int, ready, explain, ex=None) -> None:
+        """Spin, yield, sleep (transport Backoff) until ready(); abort, liveness, watchdog, deadline
+        as in transport/shm.py; explain(error) is what is raised (the executor's messages in a call).
+        ``ex``: the executor, told where this rank waits (for the watchdog's table)."""
+        if ready():
+            return
+        t0 = time.monotonic()
+        if ex is not None:
+            ex._waiting = (peer, "sync", 0, t0)
+        backoff, deadline, patrol = Backoff(self.ctx.spins), t0 + self.timeout, t0 + PATROL_PERIOD
+        ctl = self.peers[peer, "ctl"].bytes.view(np.int64)
+        while not ready():
+            backoff()
+            if backoff.n & 63:
+                continue
+            try:
+                if self.ctx.abort is not None and self.ctx.abort.is_set():
+                    raise Aborted("aborted", peer=peer, transport="shm")
+                now = time.monotonic()
+                if now >= patrol:
+                    if ctl[CLOSED]:
+                        raise PeerGone(f"rank {peer} closed its communicator", peer=peer, transport="shm")
+                    if not pid_alive(int(ctl[PID])):
+                        raise PeerGone(f"rank {peer} (pid {int(ctl[PID])}) died", peer=peer, transport="shm")
+                    if self.ctx.watchdog is not None:
+                        self.ctx.watchdog()
+                    patrol = now + PATROL_PERIOD
+                if now > deadline:
+                    raise PeerTimeout("timed out", peer=peer, transport="shm")
+            except (Aborted, PeerGone, PeerTimeout) as e:
+                raise explain(e) from None
+        if ex is not None:
+            ex._waiting = None
+
+    def leave(self) -> None:
+        """Tell the peers this rank takes no more part (a failure or abort): their waits on it end."""
+        if self.ctl is not None and self.ctl.bytes is not None:
+            self.ctl.bytes.view(np.int64)[CLOSED] = 1
+
+    def close(self) -> None:
+        """Stop sharing: peers' mappings are dropped, this rank's names unlinked (its arrays stay valid)."""
+        if self.closed:
+            return
+        self.closed = True
+        from ringcomm.transport import shm
+        self.leave()
+        for path in self.named:
+            shm.unlink_tracked(path)
+        self.named = []
+        for seg in self.peers.values():
+            seg.close()
+        self.peers.clear()

@@ -1,0 +1,78 @@
+"""One-copy algorithms on registered buffers (comm.alloc): every rank reads its peers' memory directly.
+
+The host twin of NCCL's symmetric-memory kernels and of MSCCL++'s MemoryChannel: no FIFO, no
+staging slot, so each byte is copied once instead of twice (into a slot, out of it). The steps
+read a peer's input or output chunk in place (schedule/step.py, READS); ``sync`` steps separate
+the phases, so nobody reads an output chunk before its owner has written it, and nobody leaves
+the call while a peer may still read its buffers.
+
+- all_reduce: rank r reduces chunk r of every rank's input, in rank order (x0 + x1 + ... on every
+  chunk: the same order on every rank and for every message size), into its own output chunk r;
+  sync; then it copies chunk q from rank q's output for every other q; sync. In place is safe:
+  in the first phase rank r writes only its chunk r, which no peer reads then (they read their
+  own chunks of r's input); in the second it writes chunks the peers do not read.
+- reduce_scatter: rank r reduces block r of every rank's input into its output; sync.
+- all_gather: rank r copies its own block, then block q straight from rank q's input; sync.
+- broadcast: every rank but the root copies the root's buffer; the root syncs with each reader,
+  the readers with the root only.
+- reduce: the root reduces every rank's input; the root syncs with each rank.
+"""
+from __future__ import annotations
+
+from .step import BLOCK, OWN, SPLIT, Schedule, copy, read_copy, read_out_copy, read_reduce_copy, sync
+
+ALGO = "read"
+
+
+def read_all_reduce(rank: int, n: int) -> Schedule:
+    _check(rank, n)
+    if n == 1:
+        return Schedule("all_reduce", ALGO, rank, n, 1, SPLIT, SPLIT, (copy(0),))
+    others = _others(rank, n)
+    steps = (read_reduce_copy(rank, tuple(range(n))), sync(others),
+             *(read_out_copy(q, q) for q in others), sync(others))
+    return Schedule("all_reduce", ALGO, rank, n, n, SPLIT, SPLIT, steps)
+
+
+def read_reduce_scatter(rank: int, n: int) -> Schedule:
+    _check(rank, n)
+    if n == 1:
+        return Schedule("reduce_scatter", ALGO, rank, n, 1, BLOCK, OWN, (copy(0),))
+    steps = (read_reduce_copy(rank, tuple(range(n))), sync(_others(rank, n)))
+    return Schedule("reduce_scatter", ALGO, rank, n, n, BLOCK, OWN, steps)
+
+
+def read_all_gather(rank: int, n: int) -> Schedule:
+    _check(rank, n)
+    if n == 1:
+        return Schedule("all_gather", ALGO, rank, n, 1, OWN, BLOCK, (copy(0),))
+    others = _others(rank, n)
+    steps = (copy(rank), *(read_copy(q, q) for q in others), sync(others))
+    return Schedule("all_gather", ALGO, rank, n, n, OWN, BLOCK, steps)
+
+
+def read_broadcast(rank: int, n: int, root: int) -> Schedule:
+    _check(rank, n, root)
+    if n == 1 or rank == root:
+        others = _others(rank, n)
+        return Schedule("broadcast", ALGO, rank, n, 1, SPLIT, SPLIT, (copy(0),) + ((sync(others),) if others else ()))
+    return Schedule("broadcast", ALGO, rank, n, 1, SPLIT, SPLIT, (read_copy(0, root), sync(root)))
+
+
+def read_reduce(rank: int, n: int, root: int) -> Schedule:
+    _check(rank, n, root)
+    if n == 1:
+        return Schedule("reduce", ALGO, rank, n, 1, SPLIT, SPLIT, (copy(0),))
+    if rank != root:
+        return Schedule("reduce", ALGO, rank, n, 1, SPLIT, SPLIT, (sync(root),))
+    steps = (read_reduce_copy(0, tuple(range(n))), sync(_others(rank, n)))
+    return Schedule("reduce", ALGO, rank, n, 1, SPLIT, SPLIT, steps)
+
+
+def _others(rank: int, n: int) -> tuple[int, ...]:
+    return tuple(q for q in range(n) if q != rank)
+
+
+def _check(rank: int, n: int, root: int = 0) -> None:
+    if not (isinstance(n, int) and n >= 1 and 0 <= rank < n and 0 <= root < n):
+        raise ValueError(f"need 0 <= rank, root < n, got rank={rank} root={root} n={n}")

@@ -1,0 +1,211 @@
+"""What the simulator needs to run steps that read a peer's registered buffer (step.READS).
+
+Kept apart from simulate.py, which calls in here at three points (validate, advance + value,
+deadlock) for steps with ``remote`` peers; everything else of a read step (the final post-op,
+the write into the output, its in-place bookkeeping) is simulate.py's own code.
+
+The model, as ringcomm/read_engine.py runs it:
+
+- A rank's input is readable once the rank has entered the round, and until it leaves it.
+- ``sync`` with peers P: the j-th sync of rank r with p waits until p has reached its j-th sync
+  with r (a barrier per pair; counts are kept for the whole run, rounds included).
+- ``read_out_copy`` of rank q's output chunk c reads it as it was when q reached the sync that
+  the reader has passed last with q: it must have been written by then, and not rewritten since
+  (a write after that sync races with the read).
+- In place (simulate's ``in_place``: spec.aliases says which output cell lies over which input
+  chunk), a rank must not overwrite an input chunk that a peer reads in the same phase, nor
+  before it (the peer would read the result, not the input): READ_AFTER_WRITE. Writing back a
+  chunk's own input value (all_gather's own block) changes nothing and is allowed.
+- Static rules (validate): the peers exist; read_reduce_copy combines this rank's own input with
+  at least one peer's; every read of a peer is followed, later in the schedule, by a sync with
+  that peer, so no rank leaves the call while another still reads its buffers.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .faults import MALFORMED, READ_AFTER_WRITE, UNMATCHED, Failure, ScheduleError
+from .spec import IN_PLACE, input_name, output_cell
+from .values import Sym
+
+
+class _State:
+    """Per simulation: arrivals[r][p] = syncs of r with p reached so far; pending: the sync
+    (round, step, slice) each rank has arrived at and not yet passed; seen[(q, p, j)]: q's
+    outputs (round, [values]) when it reached its j-th sync with p; input_reads[(round, owner,
+    reader, pair phase)]: the owner's input chunks the reader read in that phase."""
+
+    def __init__(self):
+        self.arrivals = defaultdict(lambda: defaultdict(int))
+        self.pending = {}
+        self.seen = {}
+        self.input_reads = defaultdict(set)
+
+
+def _state(sim) -> _State:
+    st = sim.__dict__.get("_peer_read")
+    if st is None:
+        st = sim.__dict__["_peer_read"] = _State()
+    return st
+
+
+def validate(schedules) -> None:
+    """Raise ScheduleError (MALFORMED) for a read step that breaks a static rule."""
+    n = len(schedules)
+    for s in schedules:
+        r = s.rank
+        for i, st in enumerate(s.steps):
+            if not st.remote:
+                continue
+            where = f"rank {r} step {i} {st}"
+            combined = st.kind == "read_reduce_copy"
+            bad = [p for p in st.remote if not 0 <= p < n or (p == r and not combined)]
+            problem = None
+            if bad or len(set(st.remote)) != len(st.remote):
+                problem = f"peer out of range, repeated, or this rank itself (n={n})"
+            elif combined and (r not in st.remote or len(st.remote) < 2):
+                problem = (f"read_reduce_copy combines this rank's own input with its peers' inputs, "
+                           f"in the order given: name rank {r} and at least one peer")
+            elif st.kind != "sync":
+                later = {p for x in s.steps[i + 1:] if x.kind == "sync" for p in x.remote}
+                unsynced = sorted(p for p in st.remote if p != r and p not in later)
+                if unsynced:
+                    problem = (f"no sync with rank(s) {unsynced} follows, so they could leave the call "
+                               f"(and reuse their buffers) while this rank still reads them")
+            if problem:
+                raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"{where}: {problem}")])
+
+
+def advance(sim, st, step) -> bool:
+    """Whether st can do ``step`` now; a read that would race is recorded as a fault."""
+    me, ps = st.sched.rank, _state(sim)
+    if step.kind == "sync":
+        here = (st.round, st.index, st.slice)
+        if ps.pending.get(me) != here:  # arrive once: count it and keep what our outputs hold now
+            ps.pending[me] = here
+            for p in step.remote:
+                _check_overwrites(sim, st, p)
+                ps.arrivals[me][p] += 1
+                ps.seen[me, p, ps.arrivals[me][p]] = (st.round, list(sim.outputs[st.round][me]))
+        if any(ps.arrivals[p][me] < ps.arrivals[me][p] for p in step.remote):
+            return False
+        del ps.pending[me]
+        for p in step.remote:
+            st.known |= sim.ranks[p].known
+        return True
+    for q in step.remote:
+        if q == me:
+            continue
+        other = sim.ranks[q]
+        if other.round < st.round and not other.done:
+            return False  # q has not entered this round yet
+        if other.round > st.round or other.done:
+            sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} reads rank {q}'s buffer "
+                                                                 f"after rank {q} left round {st.round}"))
+        st.known.add((q, st.round))
+        if step.reads == "in":
+            name = input_name(other.sched, step.chunk)
+            cell = _cell_over(sim, q, name)
+            if cell is not None and _changes(sim.outputs[st.round][q][cell], q, name):
+                sim._fault(READ_AFTER_WRITE, st, f"{st.where()} reads rank {q}'s input chunk {name}, which "
+                                                 f"rank {q} has already overwritten with its output", IN_PLACE)
+            ps.input_reads[st.round, q, me, ps.arrivals[me][q]].add(name)
+    return True
+
+
+def _cell_over(sim, q, name):
+    """In place, the output cell of rank q that lies over its input chunk ``name`` (else None)."""
+    return next((cell for cell, n in sim.alias[q].items() if n == name), None)
+
+
+def _changes(value, q, name) -> bool:
+    """Whether storing ``value`` over rank q's input chunk ``name`` changes it."""
+    return value is not None and value != Sym.leaf(q, name)
+
+
+def _check_overwrites(sim, st, p) -> None:
+    """At st's arrival at a sync with p, which ends a phase of the pair: no output cell st wrote in
+    that phase may lie over an input chunk that p read in it."""
+    ps, me = _state(sim), st.sched.rank
+    phase = ps.arrivals[me][p]
+    rd, before = ps.seen.get((me, p, phase), (None, None))
+    now = sim.outputs[st.round][me]
+    for name in ps.input_reads.get((st.round, me, p, phase), ()):
+        cell = _cell_over(sim, me, name)
+        if cell is None:
+            continue
+        old = before[cell] if rd == st.round else None
+        if now[cell] is not old and _changes(now[cell], me, name):
+            sim._fault(READ_AFTER_WRITE, st, f"{st.where()}: rank {me} overwrote its input chunk {name} in "
+                                             f"the phase in which rank {p} reads it: no sync between the read "
+                                             f"and the write", IN_PLACE)
+
+
+def value(sim, st, step):
+    """The Sym a read step computes (None for a sync)."""
+    if step.kind == "sync":
+        return None
+    s, me = st.sched, st.sched.rank
+    if step.reads == "in":
+        vals = [sim._read(st, step, input_name(s, step.chunk)) if q == me else
+                Sym.leaf(q, input_name(sim.ranks[q].sched, step.chunk)) for q in step.remote]
+        acc = vals[0]
+        for v in vals[1:]:
+            acc = sim._combine(st, acc, v)
+        return acc
+    q, ps = step.remote[0], _state(sim)
+    j = ps.arrivals[me][q]
+    rd, outs = ps.seen.get((q, me, j), (None, None))
+    cell = output_cell(sim.ranks[q].sched, step.chunk)
+    if j == 0 or rd != st.round or outs[cell] is None:
+        sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} reads rank {q}'s output chunk "
+                                                             f"{cell} before rank {q} wrote it (no sync between "
+                                                             f"rank {q}'s write and this read)"))
+    if sim.outputs[st.round][q][cell] is not outs[cell]:
+        sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} reads rank {q}'s output chunk "
+                                                             f"{cell} while rank {q} rewrites it (it changed "
+                                                             f"after their last sync)"))
+    return outs[cell]
+
+
+def waiting(sim, st, step) -> tuple[int, str]:
+    """(the peer st waits for, why) for a deadlock report; a peer that finished is UNMATCHED."""
+    me, ps = st.sched.rank, _state(sim)
+    if step.kind == "sync":
+        for p in step.remote:
+            if ps.arrivals[p][me] < ps.arrivals[me][p]:
+                if sim.ranks[p].done:
+                    sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} waits at a sync "
+                                      f"with rank {p}, which finished its schedule without reaching it"))
+                return p, (f"waits at its sync #{ps.arrivals[me][p]} with rank {p}, which has reached "
+                           f"only {ps.arrivals[p][me]} syncs with this rank")
+    for q in step.remote:
+        if q != me and sim.ranks[q].round < st.round:
+            return q, f"waits for rank {q} to enter round {st.round} to read its buffer"
+    return step.remote[0], "waits on a peer"
+
+
+def stage(s, index: int) -> int:
+    """The cost model's stage of step ``index`` of schedule ``s``: reads between the k-th and the
+    (k+1)-th sync are stage 2k, the (k+1)-th sync is stage 2k + 1."""
+    k = sum(1 for x in s.steps[:index] if x.kind == "sync")
+    return 2 * k + (s.steps[index].kind == "sync")
+
+
+def cost_messages(scheds, m, chunk) -> None:
+    """Add the reads and syncs of registered schedules to cost.Messages ``m``: a read of a peer's
+    chunk is an item of ``chunk`` bytes from the peer (reduced on arrival for read_reduce_copy);
+    a sync with p is an empty message from p, which the model prices at one alpha."""
+    for s in scheds:
+        for i, st in enumerate(s.steps):
+            if not st.remote:
+                continue
+            k = stage(s, i)
+            for q in st.remote:
+                if q == s.rank:
+                    continue
+                size = 0 if st.kind == "sync" else chunk
+                m.size[q, s.rank, k] += size
+                m.items[q, s.rank, k]  # noqa: B018 - the key exists: the message is counted
+                if st.reduces:
+                    m.reduced[s.rank, k] += size

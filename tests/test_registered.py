@@ -1,0 +1,503 @@
+"""Registered buffers (comm.alloc) and the one-copy "read" algorithms: schedules, then real ranks."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import stat
+import time
+
+import numpy as np
+import pytest
+
+import ringcomm
+from cases import ALGOS, BLOCK_COLLECTIVES, COLLECTIVES, DTYPES, OPS, compare, make_input, reference, run_block_case
+from harness import World
+from ringcomm import catalogue
+from ringcomm.registered import READ_MIN_BYTES
+from ringcomm.schedule.onecopy import read_all_reduce
+from ringcomm.schedule.simulate import ScheduleError, check
+from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync
+from ringcomm.schedule.verify import verify_schedules
+
+# The collectives with a one-copy algorithm (all_to_all, gather and scatter have none).
+READ_COLLECTIVES = tuple(c for c in COLLECTIVES if "read" in catalogue.ALGOS[c])
+
+# ---- the schedules, symbolically ----------------------------------------------------------------
+
+
+def test_read_steps_are_checked_when_built():
+    with pytest.raises(ValueError, match="remote=peers and no src or dst"):
+        Step("read_copy", 0, src=(1,))
+    with pytest.raises(ValueError, match="does not reduce"):
+        Step("read_out_copy", 0, remote=(1, 2))
+    with pytest.raises(ValueError, match="remote= is for"):
+        Step("recv", 0, src=(1,), remote=(2,))
+    s = read_all_reduce(1, 3)
+    assert s.registered and not catalogue.build_schedule("all_reduce", "ring", 1, 3, None).registered
+    assert str(s.steps[0]) == "read_reduce_copy(1, reads=[0, 1, 2])" and str(s.steps[1]) == "sync(0, with=[0, 2])"
+
+
+def test_read_all_reduce_has_one_order_for_every_rank_and_size():
+    rep = ringcomm.verify("all_reduce", "read", 5, 1001)
+    assert rep.ok and rep.rank_identical and rep.size_independent, rep.summary()
+    assert rep.orders == [(0, 1001, "((((x0 + x1) + x2) + x3) + x4) then post-op")]
+
+
+def _broken(n, index, step):
+    scheds = [read_all_reduce(r, n) for r in range(n)]
+    steps = list(scheds[1].steps)
+    if step is None:
+        del steps[index]
+    else:
+        steps[index] = step
+    scheds[1] = Schedule("all_reduce", "read", 1, n, n, SPLIT, SPLIT, tuple(steps))
+    return scheds
+
+
+def test_reading_an_output_before_its_owner_wrote_it_is_caught():
+    # Rank 1 copies rank 0's output chunk 0 before the sync that separates the phases.
+    scheds = _broken(3, 1, read_out_copy(0, 0))
+    with pytest.raises(ScheduleError, match="reads rank 0's output chunk 0 before rank 0 wrote it"):
+        check("all_reduce", scheds, nslots=2, slices=1, rounds=2)
+
+
+def test_leaving_while_peers_may_still_read_is_caught():
+    scheds = _broken(3, 4, None)  # rank 1 drops its last sync: its reads of phase 2 are unguarded
+    rep = verify_schedules("all_reduce", scheds, 100)
+    assert not rep.ok and "read_out_copy(0, reads=[0]): no sync with rank(s) [0] follows" in rep.postcondition
+
+
+def test_unmatched_sync_is_a_deadlock_with_its_trace():
+    scheds = _broken(3, 1, sync((0,)))  # rank 1 skips its first sync with rank 2
+    rep = verify_schedules("all_reduce", scheds, 100)
+    assert not rep.ok
+    assert "sync" in rep.postcondition and "rank 2" in rep.postcondition, rep.postcondition
+
+
+def test_wrong_reduction_is_caught():
+    scheds = _broken(3, 0, read_reduce_copy(1, (0, 1)))  # forgets rank 2's input
+    rep = verify_schedules("all_reduce", scheds, 100)
+    assert not rep.ok and "final" in rep.postcondition
+
+
+def _everyone_reduces_everything(rank, n):
+    """Right out of place, wrong in place: each rank reduces every chunk itself, so it overwrites
+    its input chunks while the peers still read them."""
+    steps = tuple(read_reduce_copy(c, tuple(range(n))) for c in range(n)) + (sync(tuple(q for q in range(n) if q != rank)),)
+    return Schedule("all_reduce", "everyone", rank, n, n, SPLIT, SPLIT, steps)
+
+
+def test_overwriting_an_input_that_a_peer_reads_is_caught():
+    rep = verify_schedules("all_reduce", [_everyone_reduces_everything(r, 3) for r in range(3)], 100)
+    assert not rep.ok and "in place" in rep.postcondition, rep.postcondition
+    with pytest.raises(ringcomm.algorithms.ScheduleError, match="in place"):
+        ringcomm.register_algorithm("everyone", "all_reduce", _everyone_reduces_everything, sizes=(3,))
+
+
+def test_cost_and_viz_see_the_reads():
+    one = ringcomm.cost("all_reduce", "read", 4, 4 << 20, alpha=1e-5, beta=1e-10, gamma=1e-10)
+    assert one > 0
+    from ringcomm import viz
+    frames = viz.frames("all_gather", "read", 3)
+    assert [f["stage"] for f in frames] == [0]
+    assert sorted((a, b) for a, b, _, _ in frames[0]["msgs"]) == [(a, b) for a in range(3) for b in range(3) if a != b]
+
+
+# ---- real ranks ----------------------------------------------------------------------------------
+
+BIG = 200_003  # a few 256 KiB pieces per chunk: the reduction loop and its scratch path run
+
+
+def _cases(n):
+    cases, i = [], 0
+    for coll in READ_COLLECTIVES:
+        for dtype in DTYPES[::3] + ("float32",):
+            op = OPS[i % len(OPS)] if dtype != "float32" else "sum"
+            count = (0, 1, 7, 1000)[i % 4] if dtype != "float32" else (BIG if coll == "all_reduce" else 1001)
+            cases.append(dict(collective=coll, dtype=dtype, op=op, count=count, algo="read",
+                              root=(0, n - 1)[i % 2], inplace=bool(i % 3), seed=i))
+            i += 1
+    return cases
+
+
+def _run_case(comm, case, area):
+    """cases.run_case with every buffer a view of the registered ``area`` (a uint8 alloc)."""
+    n, r = comm.world_size, comm.rank
+    coll, count, root = case["collective"], case["count"], case["root"]
+    insize = count * n if coll == "reduce_scatter" else count
+    inputs = [make_input(case, k, insize) for k in range(n)]
+    dt = inputs[r].dtype
+    half = area.size // 2 // dt.itemsize * dt.itemsize
+    x = area[:insize * dt.itemsize].view(dt)                     # the input, at the area's start
+    o = area[half:half + max(count * n, count) * dt.itemsize].view(dt)  # outputs, from the middle
+    x[...] = inputs[r]
+    calls = comm._registry.engine.calls
+    if coll == "all_reduce":
+        got = comm.all_reduce(x, case["op"], out=None if case["inplace"] else o[:count], algo=case["algo"])
+        want = reference(case, inputs)
+    elif coll == "reduce":
+        out = None if case["inplace"] else o[:count]
+        if out is not None:
+            out[...] = 0
+        got = comm.reduce(x, root, case["op"], out=out, algo=case["algo"])
+        want = reference(case, inputs) if r == root else (inputs[r] if case["inplace"] else np.zeros_like(x))
+    elif coll == "broadcast":
+        got = comm.broadcast(x, root, algo=case["algo"])
+        want = inputs[root]
+    elif coll == "all_gather":
+        out = o[:count * n]
+        if case["inplace"]:
+            out[r * count:(r + 1) * count] = x
+            x = out[r * count:(r + 1) * count]
+        got = comm.all_gather(x, out, algo=case["algo"])
+        want = np.concatenate(inputs)
+    else:
+        out = x[r * count:(r + 1) * count] if case["inplace"] else o[:count]
+        got = comm.reduce_scatter(x, out, case["op"], algo=case["algo"])
+        want = reference(case, inputs)[r * count:(r + 1) * count]
+    reads = case["algo"] == "read" and count > 0
+    if comm._registry.engine.calls != calls + reads:
+        return f"{case}: {'did not run' if reads else 'ran'} the read algorithm"
+    return compare(np.array(got), want, {**case, "buffers": "registered"})
+
+
+def _other_cases(n):
+    """Every other built-in algorithm of every collective once (all_to_all, gather and scatter
+    have only those): registered memory is memory, whatever runs on it."""
+    cases, i = [], 0
+    for coll in COLLECTIVES:
+        for algo in (a for a in ALGOS[coll] if a is not None):
+            cases.append(dict(collective=coll, dtype=("float32", "int32", "float64", "bfloat16")[i % 4],
+                              op="sum" if coll in BLOCK_COLLECTIVES else OPS[i % len(OPS)], count=1001,
+                              algo=algo, root=(0, n - 1)[i % 2], inplace=bool(i % 2), seed=100 + i,
+                              counts="equal" if algo == "bruck" else "packed"))
+            i += 1
+    return cases
+
+
+class _Carve:
+    """cases.run_block_case's ``dev``: each array it is given becomes a copy carved out of the
+    registered ``area``, 64-byte aligned, one after the other."""
+
+    def __init__(self, area):
+        self.area, self.at = area, 0
+
+    def __call__(self, a):
+        a = np.asarray(a)
+        self.at = -(-self.at // 64) * 64
+        view = self.area[self.at:self.at + a.nbytes].view(a.dtype)
+        view[...] = a
+        self.at += a.nbytes
+        return view
+
+
+def _counting_native_runs(comm) -> list:
+    """The native engine's calls that it ran, counted in [0] (the engine is the default)."""
+    native, runs = comm._executor.native, [0]
+    assert native is not None, f"engine {comm._executor.engine!r}: RINGCOMM_ENGINE=native is the default"
+    run = native.run
+
+    def counted(plan, call):
+        done = run(plan, call)
+        runs[0] += done
+        return done
+    native.run = counted
+    return runs
+
+
+def _matrix(comm, cases, others):
+    area = comm.alloc(2 * 8 * BIG * comm.world_size + 64, np.uint8)
+    assert area.flags.c_contiguous and not area.any()
+    runs = _counting_native_runs(comm)
+    errors = [e for e in (_run_case(comm, c, area) for c in cases) if e]
+    if runs[0]:
+        errors.append(f"the native engine ran {runs[0]} read calls: they belong to read_engine.py")
+    for case in others:
+        before, calls = runs[0], comm._registry.engine.calls
+        if case["collective"] in BLOCK_COLLECTIVES:
+            err = run_block_case(comm, case, dev=_Carve(area), host=lambda a, dtype: np.array(a))
+        else:
+            err = _run_case(comm, case, area)
+        if err is None and (runs[0] != before + 1 or comm._registry.engine.calls != calls):
+            err = f"{case}: did not run in the native engine"
+        if err:
+            errors.append(err)
+    return errors, _segments()[0]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collectives_on_registered_buffers(n):
+    # Every collective with "read", in and out of place, then every other algorithm on the same
+    # registered memory, in the native engine (the default). Small slots for the plain calls in
+    # between (the fingerprint and barrier paths stay FIFO ones).
+    with World(n, {"RINGCOMM_BUFFSIZE": "65536"}, timeout=120) as w:
+        results = w.run(_matrix, _cases(n), _other_cases(n), timeout=200)
+    assert [errs for errs, _ in results] == [[]] * n, "\n".join(e for errs, _ in results for e in errs)
+    # alloc returned once every peer had mapped this rank's segments, and unlinked their names.
+    assert [names for _, names in results] == [[]] * n
+
+
+def _misuse(comm):
+    out = {}
+    a = comm.alloc(16, np.float32)
+    plain = np.ones(16, np.float32)
+    for name, fn in [("read on plain", lambda: comm.all_reduce(plain, algo="read")),
+                     ("read with plain out", lambda: comm.all_reduce(a, out=plain.copy(), algo="read")),
+                     ("bad dtype", lambda: comm.alloc(4, np.complex64)),
+                     ("bad shape", lambda: comm.alloc((2, -1), np.float32)),
+                     ("shape type", lambda: comm.alloc("4", np.float32))]:
+        try:
+            fn()
+            out[name] = "accepted"
+        except (TypeError, ValueError) as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    big = comm.alloc(READ_MIN_BYTES // 4, np.float32)
+    calls = comm._registry.engine.calls
+    comm.all_reduce(a)  # automatic choice: the ring below READ_MIN_BYTES, "read" from there
+    comm.all_reduce(big)
+    out["auto"] = comm._registry.engine.calls - calls
+    a[:] = comm.rank + 1
+    comm.all_reduce(a, algo="ring")  # registered memory also works with every other algorithm
+    out["ring"] = float(a[0])
+    comm.all_reduce(plain)  # and plain buffers keep their algorithms
+    out["plain"] = float(plain[0])
+    try:
+        comm.alloc(8 if comm.rank == 0 else 16, np.float32)
+    except ValueError as e:
+        out["sizes"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """Two ranks that several tests share (starting a world costs seconds)."""
+    with World(2, timeout=30) as w:
+        yield w
+
+
+@pytest.mark.timeout(120)
+def test_misuse_is_refused_before_any_byte_moves(pair):
+    res = pair.run(_misuse, timeout=60)
+    for r, out in enumerate(res):
+        assert out["read on plain"].startswith("ValueError") and "comm.alloc()" in out["read on plain"]
+        assert out["read with plain out"].startswith("ValueError")
+        assert out["bad dtype"].startswith("TypeError") and out["bad shape"].startswith("ValueError")
+        assert out["shape type"].startswith("TypeError")
+        assert out["ring"] == 3.0 and out["plain"] == 2.0 and out["auto"] == 1
+        assert "alloc #2 has" in out["sizes"] and f"on rank {1 - r}" in out["sizes"]
+
+
+def _async_group_and_blocks(comm):
+    """Registered buffers in queued calls, in a group beside FIFO calls, and in all_to_all (which
+    has no read algorithm: automatic choice must not pick one from READ_MIN_BYTES up)."""
+    n, r, out = comm.world_size, comm.rank, {}
+    a = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
+    b = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
+    calls = comm._registry.engine.calls
+    a[:] = r + 1
+    comm.all_reduce(a, async_op=True).wait()  # queued on the progress thread
+    out["async"] = float(a.min()), float(a.max())
+    a[:] = np.arange(a.size) + 100 * r
+    comm.all_to_all(a, b)  # rank r's block i is rank i's block r
+    blk = a.size // n
+    out["all_to_all"] = all(np.array_equal(b[i * blk:(i + 1) * blk], np.arange(r * blk, (r + 1) * blk) + 100 * i)
+                            for i in range(n))
+    c, d = np.full(10, r + 1.0, np.float32), np.full(5, float(r), np.float32)
+    a[:] = r + 1
+    with comm.group():  # the read call comes second in issue order: it runs first, on every rank
+        comm.all_reduce(c, algo="ring")
+        comm.all_reduce(a, algo="read")
+        comm.send(d, (r + 1) % n)
+        comm.recv(d, (r - 1) % n)
+    out["group"] = float(c[0]), float(a.min()), float(a.max()), float(d[0])
+    out["reads"] = comm._registry.engine.calls - calls
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_registered_calls_queue_group_and_skip_block_collectives(pair):
+    for r, out in enumerate(pair.run(_async_group_and_blocks, timeout=60)):
+        assert out == {"async": (3.0, 3.0), "all_to_all": True, "group": (3.0, 3.0, 3.0, float(1 - r)),
+                       "reads": 2}, out
+
+
+def _abort_while_a_peer_reads(comm):
+    a = comm.alloc(1000, np.float32)
+    if comm.rank == 0:
+        comm.abort()
+        comm._store.get("seen", timeout=30)  # stay alive (and unclosed) until rank 1 has its error
+        return None
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(a, algo="read")
+        return "no error"
+    except ringcomm.RingcommError as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    finally:
+        comm._store.set("seen", b"1")
+
+
+@pytest.mark.timeout(120)
+def test_an_aborted_peer_ends_a_registered_wait_at_once():
+    with World(2, timeout=30) as w:
+        w.start(_abort_while_a_peer_reads)
+        answers = w.collect([0, 1], 60)
+    status, got = answers[1]
+    assert status == "ok" and got[0] == "PeerFailure", got
+    assert "rank 0 closed its communicator" in got[1] and got[2] < 5, got
+
+
+def _one_side(comm):
+    a = comm.alloc(1000, np.float32)
+    if comm.rank == 0:
+        comm.all_reduce(a, algo="read")  # rank 1 never enters: rank 0 must time out, naming both ranks
+    return _segments()
+
+
+def _segments():
+    """(names of this process's registered segments still in /dev/shm, modes of those it maps)."""
+    mine = f"rc-{os.environ['RINGCOMM_JOB_ID']}-{os.getpid()}-m"
+    with open("/proc/self/maps") as f:
+        ranges = {line.split()[0] for line in f if mine in line}
+    modes = {stat.S_IMODE(os.stat(f"/proc/self/map_files/{r}").st_mode) for r in ranges}  # unlinked too
+    return sorted(glob.glob(f"/dev/shm/{mine}*")), modes
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_never_enters_is_a_timeout_naming_it():
+    with World(2, timeout=2) as w:
+        w.start(_one_side)
+        answers = w.collect([0, 1], 60)
+    status, text = answers[0]
+    assert status == "err" and "CollectiveTimeout" in text, text
+    assert ("rank 0 (this process) timed out after 2 s waiting for all_reduce #" in text
+            and "registered buffer of rank 1 over shm" in text), text
+    status, (names, modes) = answers[1]
+    assert status == "ok" and names == [] and modes == {0o600}  # mapped, private, and no name left
+
+
+def _after_close(comm):
+    a = comm.alloc(8, np.int32)
+    a[:] = comm.rank
+    comm.all_reduce(a)
+    import ringcomm as rc
+    other = rc.init(comm.rank, comm.world_size, store=comm._store)
+    b = other.alloc(8, np.int32)
+    b[:] = 5
+    other.close()
+    b += 1  # still this process's memory after close
+    try:
+        other.all_reduce(b)
+        refused = False
+    except rc.CommunicatorClosed:
+        refused = True
+    return int(a.sum()), int(b.sum()), refused
+
+
+@pytest.mark.timeout(120)
+def test_arrays_stay_valid_after_close(pair):
+    assert pair.run(_after_close, timeout=60) == [(8, 48, True)] * 2
+
+
+_KEPT = {}  # per rank process: arrays kept between two calls of a world
+
+
+def _alloc(comm):
+    _KEPT["a"] = comm.alloc(1000, np.float32)
+    return os.getpid()
+
+
+def _enter(comm):
+    comm.all_reduce(_KEPT["a"], algo="read")  # waits for rank 1, which is killed instead of entering
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_peer_is_reported_while_it_is_an_unreaped_zombie():
+    with World(2, timeout=60) as w:
+        w.run(_alloc, timeout=60)
+        w.start(_enter, ranks=[0])
+        os.kill(w.procs[1].pid, signal.SIGKILL)  # not joined: a zombie of this process until the world closes
+        t0 = time.monotonic()
+        status, text = w.collect([0], 60)[0]
+        took = time.monotonic() - t0
+        w.kill()
+    assert status == "err" and "PeerFailure" in text, text
+    assert re.search(r"rank 0 \(this process\) failed waiting for all_reduce #\d+ to start so as to read the "
+                     r"registered buffer of rank 1 over shm: rank 1 \(pid \d+\) died", text), text
+    assert took < 20, f"the dead peer was seen after {took:.1f} s, not within a few liveness checks"
+
+
+def _alloc_alone(comm):
+    comm.alloc(1 << 20, np.uint8)  # rank 1 never calls alloc: rank 0 waits with its names in /dev/shm
+
+
+@pytest.mark.timeout(60)
+def test_names_are_unlinked_on_sigterm_inside_alloc():
+    with World(2, timeout=60) as w:
+        w.start(_alloc_alone, ranks=[0])
+        pattern = f"/dev/shm/rc-{w.job}-{w.procs[0].pid}-m*"
+        deadline = time.monotonic() + 30
+        while len(glob.glob(pattern)) < 2:  # its control segment and the allocation
+            assert time.monotonic() < deadline, "rank 0 never created its segments"
+            time.sleep(0.01)  # polling for files another process writes, with a deadline
+        os.kill(w.procs[0].pid, signal.SIGTERM)
+        w.procs[0].join(10)
+        assert w.procs[0].exitcode == -signal.SIGTERM
+        assert glob.glob(pattern) == [], "SIGTERM left registered segments in /dev/shm"
+        w.kill()
+
+
+def test_one_rank_and_forced_tcp_keep_working():
+    with ringcomm.init(0, 1) as comm:  # a world of one: alloc is ordinary memory, "read" a local copy
+        a = comm.alloc((2, 3), np.float64)
+        a[:] = 2
+        out = comm.alloc(6, np.float64)
+        comm.all_reduce(a, out=out, algo="read")
+        assert out.tolist() == [2.0] * 6 and a.shape == (2, 3)
+
+
+def _tcp_alloc(comm):
+    import ringcomm as rc
+    os.environ["RINGCOMM_TRANSPORT"] = "tcp"
+    try:
+        other = rc.init(comm.rank, comm.world_size, store=comm._store)
+    finally:
+        del os.environ["RINGCOMM_TRANSPORT"]
+    a = other.alloc(100, np.float32)  # no shared memory between the ranks: an ordinary array
+    a[:] = comm.rank + 1
+    other.all_reduce(a)
+    try:
+        other.all_reduce(a, algo="read")
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    other.close()
+    return float(a[0]), refused
+
+
+@pytest.mark.timeout(120)
+def test_alloc_without_shared_memory_is_ordinary_memory(pair):
+    for total, refused in pair.run(_tcp_alloc, timeout=60):
+        assert total == 3.0 and "all share this host" in refused
+
+
+def _mixed(comm):
+    a = comm.alloc(READ_MIN_BYTES // 4, np.float32)  # every rank allocates (collective) ...
+    buf = a if comm.rank == 0 else np.ones(a.size, np.float32)  # ... but rank 1 passes plain memory
+    try:
+        comm.all_reduce(buf)
+        return "ran"
+    except ringcomm.RingcommError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.timeout(120)
+def test_debug_check_names_a_rank_that_passes_plain_memory():
+    with World(2, {"RINGCOMM_DEBUG": "check"}, timeout=30) as w:
+        answers = w.run(_mixed, timeout=60)
+    for text in answers:  # both ranks raise, naming what each called, instead of waiting for the timeout
+        assert text.startswith("CollectiveMismatch") and "rank 0 called collective #1: all_reduce(" in text
+        assert "algo=read)" in text and text.count("algo=read") == 1, text
