@@ -112,6 +112,10 @@ class DeviceLinks:
     def call(self, call) -> None:           # the executor names its call here; connect errors name it
         self.links.call = call
 
+    @property
+    def ctx(self):                          # the job's LinkContext (abort, watchdog, spins): the host links'
+        return self.links.ctx
+
     def __call__(self, peer: int, direction: str):
         conn = self.conns.get((peer, direction))
         if conn is None:
@@ -158,7 +162,7 @@ class DevicePath:
                 self.device = self.rt.get_device()
             with cuda_rt.on_device(self.rt, self.device):
                 self.stream = self.rt.stream_create()
-                self.start = self.rt.event_create()
+                self.starts = [self.rt.event_create()]     # one per caller stream of a call or group
                 self.steps = DeviceSteps(kernels, self.rt, self.stream)
         except CudaError as e:
             raise DeviceError(f"rank {self.rank} (this process) could not set up its device path: {e}", e) from None
@@ -170,20 +174,31 @@ class DevicePath:
         self.watch = ProgressWatch(self.rt, host.rank, host.timeout, self.links, links.ctx.abort)
 
     def run(self, sched, call) -> None:
+        self.run_calls([call], f"{call.name} #{call.seq}", lambda executor: self._execute(sched, call))
+
+    def run_calls(self, calls, label: str, body) -> None:
+        """Queue ``calls`` on our stream by ``body(executor)`` (one call, or a group's device members), with the
+        stream rule once for all of them: our stream starts after every caller's stream, and every caller's
+        stream waits for our work only if ``body`` succeeded."""
         try:
             with cuda_rt.on_device(self.rt, self.device):
-                caller = self._check(call)
-                self.watch.check(f"{call.name} #{call.seq}")
-                self.rt.event_record(self.start, caller)        # our work runs after the caller's so far
-                self.rt.stream_wait_event(self.stream, self.start)
-                self._prepare(call)
-                call.dev = self.steps
-                self._execute(sched, call)
-                done = self.watch.finished(self.stream, f"{call.name} #{call.seq}")
-                self.rt.stream_wait_event(caller, done)         # success only: the caller's later work
+                callers = list(dict.fromkeys(self._check(call) for call in calls))
+                self.watch.check(label)
+                for i, caller in enumerate(callers):            # our work runs after the callers' so far
+                    if i == len(self.starts):
+                        self.starts.append(self.rt.event_create())
+                    self.rt.event_record(self.starts[i], caller)
+                    self.rt.stream_wait_event(self.stream, self.starts[i])
+                for call in calls:
+                    self._prepare(call)
+                    call.dev = self.steps
+                body(self.executor)
+                done = self.watch.finished(self.stream, label)
+                for caller in callers:
+                    self.rt.stream_wait_event(caller, done)     # success only: the callers' later work
         except CudaError as e:
-            raise DeviceError(f"rank {self.rank} (this process) failed in {call.name} #{call.seq} on "
-                              f"cuda:{self.device}: {e}", e) from None
+            raise DeviceError(f"rank {self.rank} (this process) failed in {label} on cuda:{self.device}: {e}",
+                              e) from None
 
     def _prepare(self, call) -> None:
         """Compile the call's kernels before its first slice; a compiler or driver failure is a CudaError."""
@@ -233,7 +248,8 @@ class DevicePath:
             drained = self.watch.close(self.stream)
             try:
                 if drained:
-                    self.rt.event_destroy(self.start)
+                    for event in self.starts:
+                        self.rt.event_destroy(event)
                     self.rt.stream_destroy(self.stream)
             except CudaError:
                 pass                                        # cleanup never hides the error that led here

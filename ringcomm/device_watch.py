@@ -76,11 +76,23 @@ class ProgressWatch:
         return True
 
     def _stuck(self, label: str, queued: float) -> str:
-        waits = [w for w in (c.stuck_on() for c in self.links.conns.values() if hasattr(c, "stuck_on")) if w]
-        where = "; ".join(waits) if waits else "no flag of a link is behind: a kernel or copy of its own is slow"
         return (f"rank {self.rank} (this process) timed out after {self.timeout:g} s: its GPU stream has not "
-                f"finished {label} {time.monotonic() - queued:.1f} s after the host queued it; over cuda_ipc it "
-                f"waits for {where}")
+                f"finished {label} {time.monotonic() - queued:.1f} s after the host queued it; "
+                f"{self._waits_for()}")
+
+    def _waits_for(self) -> str:
+        """What our stream may wait for, by transport. Only cuda_ipc links make it wait on a peer (a flag);
+        a staged link's stream never does (the proxy posts and releases only what the GPU finished)."""
+        conns = list(self.links.conns.values())
+        waits = [w for w in (c.stuck_on() for c in conns if hasattr(c, "stuck_on")) if w]
+        if waits:
+            return f"over cuda_ipc it waits for {'; '.join(waits)}"
+        names = sorted({c.transport for c in conns})
+        over = f"over {', '.join(names)} " if names else ""
+        if any(n != "cuda_ipc" for n in names):     # staged links: the stream waits for no peer at all
+            return (f"{over}it waits for no peer's signal (a staged link's stream never does; its proxy "
+                    f"posts only what the GPU finished): a kernel or copy of its own is slow")
+        return f"{over}no link's flag is behind: a kernel or copy of its own is slow"
 
     def _patrol(self) -> None:
         while not self._stop.wait(PATROL):

@@ -16,6 +16,15 @@ order). A member touches a connection only once every member before it has finis
 Collectives never wait for point-to-point traffic, and the point-to-point calls then run together,
 so no turn waits for ever.
 
+Device buffers join the same loop: a device member's slices are queued on the device path's
+stream by its own executor (ringcomm/device.py), over cuda_ipc or staged connections, whose
+ready() is host state only (cuda_ipc's host counters; the proxy's slots in hand for staged links).
+The GPU cannot deadlock on that order: every flag our stream is told to wait for was queued for
+writing on the peer's stream before the peer's host moved the counter this rank saw, so each wait
+points to work queued earlier in time, and time has no cycles. A group of host and device calls
+runs as one; the device members' streams start after their callers' streams and the callers'
+streams wait for the whole group (the device path's stream rule, once per group).
+
 Collectives on registered buffers (comm.alloc, algorithm "read") use no FIFO: they run first, one
 after the other in issue order, each as it would alone (ringcomm/read_engine.py); every rank's group
 holds the same collectives in the same order, so every rank runs the same ones first.
@@ -59,9 +68,6 @@ class Group:
         return False
 
     def execute(self, run_now, sched, call) -> None:
-        if not isinstance(call.inp, np.ndarray):
-            raise NotImplementedError(f"{call.name} on device buffers inside comm.group(): groups take host "
-                                      f"buffers for now; issue device calls outside the group")
         self.members.append((sched, call))
 
     def later(self, fn) -> None:
@@ -71,30 +77,40 @@ class Group:
         for fn in self.pre:
             fn()
         comm = self.comm
-        comm._execute_now(self.members, None, engine=_Together(comm._executor))
+        comm._execute_now(self.members, None, engine=_Together(comm))
 
 
 class _Together:
-    """The engine comm._execute_now runs a group with: the "schedule" is the list of members."""
+    """The engine comm._execute_now runs a group with: the "schedule" is the list of members.
+    Host members run on the communicator's executor, device members on its device path's."""
 
-    def __init__(self, executor):
-        self.executor = executor
+    def __init__(self, comm):
+        self.comm = comm
 
     def run(self, members, _call) -> None:
-        run_group(self.executor, members)
+        host = self.comm._executor
+        device = [call for _, call in members if not isinstance(call.inp, np.ndarray)]
+        if not device:
+            run_group([(host, s, c) for s, c in members])
+            return
+        path = self.comm._device_path(device[0])
+        label = "a group of " + ", ".join(f"{c.name} #{c.seq}" for _, c in members)
+        path.run_calls(device, label, lambda dev: run_group(
+            [(host if isinstance(c.inp, np.ndarray) else dev, s, c) for s, c in members]))
 
 
 class _Member:
     """One call of a group: its slice plan and how far it has got."""
 
-    __slots__ = ("call", "plan", "pos", "nsteps", "inp", "out", "fn", "in_place", "left", "p2p")
+    __slots__ = ("executor", "call", "plan", "pos", "nsteps", "inp", "out", "fn", "in_place", "left", "p2p")
 
     def __init__(self, executor, sched, call):
-        self.call, self.pos, self.nsteps = call, 0, len(sched.steps)
+        self.executor, self.call, self.pos, self.nsteps = executor, call, 0, len(sched.steps)
         self.p2p = sched.algo == "p2p"  # send / recv: their turn on a connection comes after collectives
         self.plan = executor._cached_plan(sched, call, False)
         self.inp, self.out = call.inp, call.out
-        self.fn = kernels.elementwise(call.op, call.inp.dtype)
+        # None: a device member (call.dev queues its slices' kernels on the device path's stream)
+        self.fn = kernels.elementwise(call.op, call.inp.dtype) if call.dev is None else None
         self.in_place = call.inp is call.out
         self.left: dict = {}  # connection -> slices of this member still to use it
         for entry in self.plan:
@@ -102,14 +118,42 @@ class _Member:
                 self.left[conn] = self.left.get(conn, 0) + 1
 
 
-def run_group(executor, members) -> None:
-    """Run ``members`` [(schedule, Call)] of one rank together; see the module docstring."""
-    for sched, call in members:
+def run_group(members) -> None:
+    """Run ``members`` [(executor, schedule, Call)] of one rank together; see the module docstring.
+    The executor is the host one or the device path's (whose links are device connections)."""
+    for executor, sched, call in members:
         if sched.registered and call.m > 0:
             executor.run(sched, call)
-    members = [(s, c) for s, c in members if c.m > 0 and not s.registered]
+    members = [(e, s, c) for e, s, c in members if c.m > 0 and not s.registered]
     if not members:
         return
+    # The host executor before the device path's, whatever the issue order: see _connect.
+    executors = sorted(dict.fromkeys(e for e, _, _ in members),
+                       key=lambda e: any(c.dev is not None for x, _, c in members if x is e))
+    for executor in executors:
+        _connect(executor, [(s, c) for e, s, c in members if e is executor])
+    pending = [_Member(e, s, c) for e, s, c in members]
+    turn: dict = {}  # connection -> the members that use it, in turn; the first has it now
+    for m in sorted(pending, key=lambda m: m.p2p):  # stable: issue order within each kind
+        for conn in m.left:
+            turn.setdefault(conn, []).append(m)
+    watchdog, shown = executors[0].watchdog, [executors[0]]
+    saved = watchdog.position if watchdog is not None else None
+    if watchdog is not None:  # "where is this rank": the executor of the member the group waits on
+        watchdog.position = lambda: shown[0].position()
+    try:
+        with np.errstate(all="ignore"):
+            _loop(executors[0], pending, turn, shown)
+    finally:
+        if watchdog is not None:
+            watchdog.position = saved
+
+
+def _connect(executor, members) -> None:
+    """Connect every connection ``executor``'s members use: sends before receives (see Transport).
+    Every rank connects its host links before its device links: they are separate transports, each
+    made at its first connection, and a send may wait for the peer's transport to exist -- so the
+    peer must never be blocked in the other kind's connects, waiting for us, before it makes it."""
     srcs, dsts = set(), set()
     for sched, _ in members:
         s, d = sched.peers()
@@ -119,23 +163,16 @@ def run_group(executor, members) -> None:
     if native is not None:
         native.release()  # the reference engine's slices below take the connections over
     executor.links.call = members[0][1]  # named in connect errors
-    executor.links.prepare(srcs, dsts)  # every member's sends before any receive: see Transport
-    pending = [_Member(executor, s, c) for s, c in members]
-    turn: dict = {}  # connection -> the members that use it, in turn; the first has it now
-    for m in sorted(pending, key=lambda m: m.p2p):  # stable: issue order within each kind
-        for conn in m.left:
-            turn.setdefault(conn, []).append(m)
-    with np.errstate(all="ignore"):
-        _loop(executor, pending, turn)
+    executor.links.prepare(srcs, dsts)
 
 
-def _loop(executor, pending, turn) -> None:
+def _loop(executor, pending, turn, shown) -> None:
     ctx = executor.links.ctx
     backoff, stalled_since, next_patrol = Backoff(ctx.spins), None, 0.0
     while pending:
         moved = False
         for m in pending:
-            moved |= _advance(executor, m, turn)
+            moved |= _advance(m, turn)
         if moved:
             pending = [m for m in pending if m.pos < len(m.plan)]
             backoff, stalled_since = Backoff(ctx.spins), None
@@ -146,21 +183,21 @@ def _loop(executor, pending, turn) -> None:
         now = time.monotonic()
         if stalled_since is None:
             stalled_since, next_patrol = now, now + PATROL_PERIOD
-            _note_wait(executor, pending, turn, now)
+            _note_wait(pending, turn, now, shown)
         if ctx.abort is not None and ctx.abort.is_set():
             raise _fail(executor, pending, turn, Aborted, "aborted")
         if now - stalled_since > executor.timeout:
             raise _fail(executor, pending, turn, PeerTimeout, "timed out")
         if now >= next_patrol:
-            _patrol(executor, pending, turn)
+            _patrol(pending, turn)
             if ctx.watchdog is not None:
                 ctx.watchdog()
             next_patrol = now + PATROL_PERIOD
 
 
-def _advance(executor, m: _Member, turn) -> bool:
+def _advance(m: _Member, turn) -> bool:
     """Run m's next slices while their connections are m's turn and ready; True if any ran."""
-    plan, moved = m.plan, False
+    plan, moved, executor = m.plan, False, m.executor
     executor._call, executor._nsteps = m.call, m.nsteps
     while m.pos < len(plan):
         entry = plan[m.pos]
@@ -171,7 +208,10 @@ def _advance(executor, m: _Member, turn) -> bool:
             if turn[conn][0] is not m or not conn.ready():
                 return moved
         # Every connection is ready, so the slice's waits return at once.
-        executor._slice(entry, m.call, m.inp, m.out, m.fn, m.in_place)
+        if m.fn is None:
+            executor._device_slice(entry, m.call)
+        else:
+            executor._slice(entry, m.call, m.inp, m.out, m.fn, m.in_place)
         m.pos += 1
         moved = True
         for _, conn in entry[6] + entry[7]:
@@ -193,27 +233,28 @@ def _blocked(pending, turn):
                     break
 
 
-def _note_wait(executor, pending, turn, t0) -> None:
-    """Tell the watchdog what the group waits for (the first stalled member)."""
+def _note_wait(pending, turn, t0, shown) -> None:
+    """Tell the watchdog what the group waits for (the first stalled member, on its executor)."""
     for m, peer, direction, _ in _blocked(pending, turn):
+        executor = shown[0] = m.executor
         executor._call, executor._step = m.call, m.plan[m.pos][0]
         executor._waiting = (peer, direction, m.plan[m.pos][8], t0)
         return
 
 
-def _patrol(executor, pending, turn) -> None:
+def _patrol(pending, turn) -> None:
     """Look for dead peers (a transport's check()), as a blocking wait does at each patrol."""
     for m, peer, direction, conn in _blocked(pending, turn):
         try:
             conn.check()
         except PeerGone as e:
-            raise executor._explain(e, _doing(pending, m, peer, direction)) from None
+            raise m.executor._explain(e, _doing(pending, m, peer, direction)) from None
 
 
 def _fail(executor, pending, turn, kind, what):
     for m, peer, direction, conn in _blocked(pending, turn):
         e = kind(f"{what} in a group", peer=peer, transport=conn.transport)
-        return executor._explain(e, _doing(pending, m, peer, direction))
+        return m.executor._explain(e, _doing(pending, m, peer, direction))
     # Nothing waits on a peer, so members wait on each other: a bug, said plainly.
     names = ", ".join(f"{m.call.name} #{m.call.seq}" for m in pending)
     return RuntimeError(f"rank {executor.rank}: group members {names} wait on each other")

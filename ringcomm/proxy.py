@@ -87,8 +87,8 @@ class Proxy:
         while True:
             if self.error is not None:
                 raise _fresh(self.error)
-            if link.ready:                  # only this thread pops; appends come under self.lock
-                return link.ready.popleft()
+            if link.in_hand:                # only this thread pops; appends come under self.lock
+                return link.in_hand.popleft()
             if link.error is not None:
                 raise _fresh(link.error)
             if self.lock.acquire(blocking=False):
@@ -96,7 +96,7 @@ class Proxy:
                     link.take_ahead()
                 finally:
                     self.lock.release()
-                if link.ready or link.error is not None:
+                if link.in_hand or link.error is not None:
                     continue
             now = time.monotonic()
             if self.abort is not None and self.abort.is_set():
@@ -117,6 +117,26 @@ class Proxy:
             if self.watchdog is not None and time.monotonic() >= next_patrol:
                 self.watchdog()
                 next_patrol = time.monotonic() + PATROL_PERIOD
+
+    def poll(self, link) -> bool:
+        """Whether take(link, ...) would return or raise at once: the non-blocking half of take (a group's
+        loop polls its connections). Otherwise the proxy is told a caller wants a slot, once, and the slots
+        it takes ahead from then on make a later poll true."""
+        if self.error is not None or link.in_hand or link.error is not None:
+            return True
+        link.deadline = time.monotonic() + self.timeout     # a send link takes slots once a call needs them
+        if self.lock.acquire(blocking=False):
+            try:
+                link.take_ahead()
+            finally:
+                self.lock.release()
+            if link.in_hand or link.error is not None:
+                return True
+        if not link.wanted:
+            with self.cv:
+                link.wanted = True
+                self.cv.notify_all()
+        return False
 
     def _behind(self, now: float) -> str:
         """What the GPU still owes the proxy (with cv held): a slow GPU here may be why the peer is late."""

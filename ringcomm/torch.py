@@ -101,8 +101,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return f"<ProcessGroupRingcomm rank {self.comm.rank} of {self.comm.world_size}>"
 
     def _rp(self, op, view) -> dict:
-        """The reproducible keyword for one reduction: on where the group asks and it applies."""
-        on = self.reproducible and op in (ringcomm.SUM, ringcomm.AVG) and view.dtype.kind == "f"
+        """The reproducible keyword for one reduction: on where the group asks and it applies (a float SUM /
+        AVG). ``view``: a host view (numpy; bfloat16's numpy kind is "V", not "f") or a CUDA tensor."""
+        dtype = view.dtype
+        floating = dtype.is_floating_point if isinstance(dtype, torch.dtype) else \
+            dtype.kind == "f" or str(dtype) == "bfloat16"
+        on = self.reproducible and op in (ringcomm.SUM, ringcomm.AVG) and floating
         return {"reproducible": True} if on else {}
 
     def _submit(self, name: str, outputs: list, fn) -> Work:

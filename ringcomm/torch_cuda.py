@@ -16,6 +16,9 @@ the caller's, although the work is queued from another thread:
 - the tensors are marked used on the group's stream (record_stream), so the caching allocator does not
   hand their memory out again before that stream has passed the call.
 
+Reductions follow the group's reproducible setting as on the host (RINGCOMM_REPRODUCIBLE=1, or
+``pg.reproducible``): a float SUM / AVG runs with reproducible=True on ringcomm's device kernels.
+
 Only ringcomm.torch imports this module; install() wires it in: a method called with CUDA tensors goes
 here, one with CPU tensors goes on as before.
 """
@@ -107,7 +110,7 @@ def allreduce(pg, tensors, opts=None):
     from torch.distributed import ReduceOp
     op = ring_op(opts.reduceOp if opts is not None else ReduceOp.SUM, "all_reduce")
     ts = [_reducible(t, "all_reduce tensor") for t in tensors]
-    return _run(pg, "all_reduce", ts, list(tensors), lambda: [pg.comm.all_reduce(t, op) for t in ts])
+    return _run(pg, "all_reduce", ts, list(tensors), lambda: [pg.comm.all_reduce(t, op, **pg._rp(op, t)) for t in ts])
 
 
 def broadcast(pg, tensors, opts):
@@ -119,7 +122,7 @@ def broadcast(pg, tensors, opts):
 def reduce(pg, tensors, opts):
     t = _reducible(tensors[0], "reduce tensor")
     op = ring_op(opts.reduceOp, "reduce")
-    return _run(pg, "reduce", [t], [t], lambda: pg.comm.reduce(t, opts.rootRank, op))
+    return _run(pg, "reduce", [t], [t], lambda: pg.comm.reduce(t, opts.rootRank, op, **pg._rp(op, t)))
 
 
 def all_gather_single(pg, output, input, opts=None):
@@ -128,8 +131,9 @@ def all_gather_single(pg, output, input, opts=None):
 
 def reduce_scatter_single(pg, output, input, opts):
     op = ring_op(opts.reduceOp, "reduce_scatter_tensor")
+    t = _reducible(input, "input")
     return _run(pg, "reduce_scatter_tensor", [output, input], [output],
-                lambda: pg.comm.reduce_scatter(_reducible(input, "input"), output, op))
+                lambda: pg.comm.reduce_scatter(t, output, op, **pg._rp(op, t)))
 
 
 def allgather(pg, output_tensors, input_tensors, opts=None):

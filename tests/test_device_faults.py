@@ -8,6 +8,7 @@ Kernels still run under the simulator (NUMBA_ENABLE_CUDASIM=1), so results are c
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import pytest
 
@@ -117,7 +118,7 @@ def test_one_gpu_whatever_the_thread_and_clear_refusals():
 
 
 @pytest.mark.timeout(60)
-def test_an_async_first_call_binds_the_buffers_gpu_and_groups_refuse_device_buffers():
+def test_an_async_first_call_and_a_group_run_on_the_buffers_gpu():
     with World(1, SIM, timeout=30) as w:
         w.run(work.install)
         assert w.run(work.async_first_call_and_groups, timeout=40) == [[]]
@@ -172,3 +173,34 @@ def test_a_peer_dying_while_our_stream_waits_for_it_does_not_hang_the_callers_st
         assert res[0] == "ok", res
         assert res[1]["drained_s"] < 5.0, res           # the patrol let our stream go, long before the timeout
         assert res[1]["next"] and "PeerFailure" in res[1]["next"] and "rank 1 died" in res[1]["next"], res
+
+
+def test_a_stuck_streams_message_names_the_transports_it_really_has():
+    """The progress watch's timeout says what our stream waits for by the links it has: a cuda_ipc flag that
+    is behind; no peer at all over staged links (the proxy posts only what the GPU finished); never
+    "over cuda_ipc" for a communicator whose links are all staged."""
+    from types import SimpleNamespace
+
+    from ringcomm.device_watch import ProgressWatch
+
+    class Ipc:
+        transport = "cuda_ipc"
+
+        def __init__(self, behind):
+            self.behind = behind
+
+        def stuck_on(self):
+            return self.behind
+
+    staged = SimpleNamespace(transport="tcp+staged")
+    links = SimpleNamespace(conns={})
+    watch = ProgressWatch(None, 3, 2.0, links, None)
+    watch._stop.set()                                   # no patrol: nothing here is a real link
+    links.conns = {(1, "send"): staged, (1, "recv"): SimpleNamespace(transport="tcp+staged")}
+    msg = watch._stuck("all_reduce #4", time.monotonic())
+    assert "rank 3 (this process) timed out after 2 s" in msg and "all_reduce #4" in msg, msg
+    assert "over tcp+staged it waits for no peer's signal" in msg and "cuda_ipc" not in msg, msg
+    links.conns = {(1, "recv"): Ipc("rank 1's data of slice 5 on this link"), (2, "send"): staged}
+    assert "over cuda_ipc it waits for rank 1's data of slice 5" in watch._stuck("x #1", time.monotonic())
+    links.conns = {(1, "recv"): Ipc(None)}
+    assert "over cuda_ipc no link's flag is behind: a kernel or copy" in watch._stuck("x #1", time.monotonic())

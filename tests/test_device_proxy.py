@@ -75,6 +75,7 @@ def test_a_gpu_that_never_finishes_times_out_in_the_proxy_by_name():
         # the proxy's own deadline, or the caller's while the proxy still waits for the GPU: either names it
         assert re.search(r"GPU (stream )?has not finished", r0["error"]) and "rank 1" in r0["error"], r0
         assert "all_reduce #" in r0["error"] and "tcp+staged" in r0["error"], r0
+        assert "cuda_ipc" not in r0["error"], r0            # only staged links: the message says so
         assert r0["after"] < 3 * 2.0 + 3, r0
         assert r1["error"], r1
         reports = w.run(device_fault_work.close_and_report, timeout=60)

@@ -200,10 +200,16 @@ def test_survivors_that_notice_keep_the_first_failure(tmp_path):
         import os, pathlib, sys, time
         rank, d = int(os.environ["RANK"]), pathlib.Path(sys.argv[1])
         if rank == 1:
-            (d / "dead").touch()
+            (d / "pid").write_text(str(os.getpid()))
+            os.replace(d / "pid", d / "dead")  # whole or absent: rank 0 never reads a half-written pid
             sys.exit(3)
         deadline = time.monotonic() + 20
         while not (d / "dead").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # Rank 0 notices only once the launcher has reaped rank 1 (its /proc entry is gone): on a
+        # loaded machine two exits a few ms apart may otherwise reach the launcher in either order.
+        pid = (d / "dead").read_text()
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.01)
         print("rank 0: peer 1 is gone", file=sys.stderr)
         sys.exit(1)

@@ -59,3 +59,53 @@ def test_bad_env_value_names_the_variable(monkeypatch):
     monkeypatch.setenv("RINGCOMM_REPRODUCIBLE", "yes")
     with pytest.raises(ValueError, match="RINGCOMM_REPRODUCIBLE='yes'"):
         reproducible_from_env()
+
+
+def test_cuda_reductions_follow_the_groups_reproducible_setting(monkeypatch):
+    """ringcomm/torch_cuda.py without a GPU: a CUDA tensor's float SUM / AVG reaches the Communicator with
+    reproducible=True when the group asks for it (bfloat16 included), other reductions and dtypes without it,
+    as on the host path (whose bfloat16 views, numpy kind "V", take it too)."""
+    import torch.distributed as dist
+
+    import ringcomm
+    from ringcomm import torch_cuda
+    from ringcomm.torch import ProcessGroupRingcomm
+    from ringcomm.torch_support import host_view
+    calls = []
+
+    class Comm:
+        def all_reduce(self, t, op, **kw):
+            calls.append(("all_reduce", op, t.dtype, kw))
+
+        def reduce(self, t, root, op, **kw):
+            calls.append(("reduce", op, t.dtype, kw))
+
+        def reduce_scatter(self, x, y, op, **kw):
+            calls.append(("reduce_scatter", op, x.dtype, kw))
+
+    class Group:                        # what torch_cuda reads of a ProcessGroupRingcomm
+        comm, reproducible, _rp = Comm(), True, ProcessGroupRingcomm._rp
+    monkeypatch.setattr(torch_cuda, "_run", lambda pg, name, tensors, outputs, body: body())  # no streams here
+
+    def opts(cls, op, root=None):
+        o = cls()
+        o.reduceOp = op
+        if root is not None:
+            o.rootRank = root
+        return o
+    pg, on = Group(), {"reproducible": True}
+    torch_cuda.allreduce(pg, [torch.ones(4)])
+    torch_cuda.allreduce(pg, [torch.ones(4, dtype=torch.bfloat16)], opts(dist.AllreduceOptions, dist.ReduceOp.AVG))
+    torch_cuda.allreduce(pg, [torch.ones(4)], opts(dist.AllreduceOptions, dist.ReduceOp.MAX))
+    torch_cuda.allreduce(pg, [torch.ones(4, dtype=torch.int32)])
+    torch_cuda.reduce(pg, [torch.ones(4, dtype=torch.float16)], opts(dist.ReduceOptions, dist.ReduceOp.SUM, 1))
+    torch_cuda.reduce_scatter_single(pg, torch.ones(2, dtype=torch.float64), torch.ones(4, dtype=torch.float64),
+                                     opts(dist.ReduceScatterOptions, dist.ReduceOp.SUM))
+    pg.reproducible = False
+    torch_cuda.allreduce(pg, [torch.ones(4)])
+    assert calls == [("all_reduce", ringcomm.SUM, torch.float32, on), ("all_reduce", ringcomm.AVG, torch.bfloat16, on),
+                     ("all_reduce", ringcomm.MAX, torch.float32, {}), ("all_reduce", ringcomm.SUM, torch.int32, {}),
+                     ("reduce", ringcomm.SUM, torch.float16, on), ("reduce_scatter", ringcomm.SUM, torch.float64, on),
+                     ("all_reduce", ringcomm.SUM, torch.float32, {})], calls
+    pg.reproducible = True
+    assert pg._rp(ringcomm.SUM, host_view(torch.ones(2, dtype=torch.bfloat16), "x", reduce=True)) == on

@@ -188,6 +188,13 @@ class CudaIpcSend(_DeviceLink, ShmSend):
             self._wait_flag(self.freed, k + 1 - self.nslots)
         return self.slots[k % self.nslots]
 
+    def ready(self) -> bool:
+        words = self.seg.words      # closed by this process: acquire() raises at once
+        if words is None:
+            return True
+        # the first acquire also waits for the receiver's slot placement
+        return (self.slots is not None or bool(words[MODE])) and super().ready()
+
     def post(self, nbytes: int) -> None:
         self._signal(self.filled, self.posted + 1, self.deadline)   # before the counter moves
         super().post(nbytes)

@@ -13,7 +13,7 @@ and hand the slot back; the proxy posts or releases it once the event has comple
 hold all ``nslots`` slots at once (see transport/base.py), so the GPU runs up to a FIFO ahead.
 
 Only the proxy thread calls the network connection, and ``pump`` never blocks: it acts only on what
-ready() and the events say is done. What the caller and the proxy share (``ready``, ``queue``) is
+ready() and the events say is done. What the caller and the proxy share (``in_hand``, ``queue``) is
 guarded by the proxy's condition.
 
 GPUDirect RDMA (registering device memory with the NIC) is not used: the slots are host memory.
@@ -43,7 +43,7 @@ class _Staged:
         self.views: dict = {}        # host slot address -> (host array, device view, owner), registered once
         self.typed_views: dict = {}  # (address, dtype) -> typed view
         self.current = None          # the address of the slot in the caller's hands
-        self.ready: collections.deque = collections.deque()  # the proxy's slots for the caller, oldest first
+        self.in_hand: collections.deque = collections.deque()  # the proxy's slots for the caller, oldest first
         self.queue: collections.deque = collections.deque()  # (nbytes, event, deadline) for the proxy
         self.spare: list = []        # events the proxy is done with
         self.wanted = False          # a caller waits in take(): the proxy keeps polling
@@ -55,8 +55,17 @@ class _Staged:
         self.proxy = proxy
         proxy.add(self)
 
+    def ready(self) -> bool:
+        """True when acquire() / wait() would return (or raise) at once; if not, the proxy is asked for a slot,
+        as a waiting caller asks (comm.group() polls this instead of blocking in acquire / wait)."""
+        return self.proxy.poll(self)
+
+    def check(self) -> None:
+        """Nothing to do in the caller's thread: while the caller wants a slot, the proxy patrols the network
+        connection itself, and a failure it meets makes ready() true and the next acquire / wait raise it."""
+
     def busy(self) -> bool:
-        return bool(self.queue) or (self.wanted and not self.ready and self.error is None)
+        return bool(self.queue) or (self.wanted and not self.in_hand and self.error is None)
 
     def _hold(self, data) -> None:
         """Make the host slot starting where ``data`` starts (tcp's and ibverbs' slots are ``slot_bytes``
@@ -129,7 +138,7 @@ class _Staged:
             return False
         if isinstance(self, StagedSend) and not self.deadline:
             return False                # its first acquire connects (ibverbs): only once a call needs it
-        while len(self.ready) + len(self.queue) < self.nslots and self.conn.ready():
+        while len(self.in_hand) + len(self.queue) < self.nslots and self.conn.ready():
             try:
                 slot = self._next_slot()
             except TransportError as e:
@@ -137,7 +146,7 @@ class _Staged:
                     self.error = self._ours(e)
                 return True
             with self.proxy.cv:
-                self.ready.append(slot)
+                self.in_hand.append(slot)
                 self.wanted = False
             moved = True
         return moved

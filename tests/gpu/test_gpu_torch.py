@@ -42,3 +42,38 @@ def test_torch_cuda_tensors_follow_nccl_stream_semantics():
         assert w.run(stream_semantics, timeout=150) == ["ok", "ok"]
     finally:
         w.close()
+
+
+def reproducible_cuda(rank, n):
+    """pg.reproducible on CUDA tensors: float32 and bfloat16 all_reduce / reduce_scatter give the bits of the
+    same calls on CPU tensors (the host reproducible path), bit for bit."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    dist.distributed_c10d._get_default_group().reproducible = True
+    g = torch.Generator().manual_seed(7 + rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(10007, generator=g) * torch.exp2(torch.randint(-20, 20, (10007,), generator=g))).to(dtype)
+        host, dev = x.clone(), x.cuda()
+        dist.all_reduce(host)
+        dist.all_reduce(dev)
+        rs_host, rs_dev = torch.empty(5000, dtype=dtype), torch.empty(5000, dtype=dtype, device="cuda")
+        dist.reduce_scatter_tensor(rs_host, x[:10000].clone())
+        dist.reduce_scatter_tensor(rs_dev, x[:10000].cuda())
+        for a, b in ((host, dev), (rs_host, rs_dev)):
+            a16, b16 = a.view(torch.int16 if dtype == torch.bfloat16 else torch.int32), b.cpu()
+            b16 = b16.view(a16.dtype)
+            assert np.array_equal(a16.numpy(), b16.numpy()), (dtype, a[:4], b[:4])
+    return "ok"
+
+
+@pytest.mark.timeout(180)
+def test_reproducible_cuda_tensors_give_the_host_bits():
+    pytest.importorskip("torch")
+    from test_torch_backend import TorchWorld
+    w = TorchWorld(2)
+    try:
+        assert w.run(reproducible_cuda, timeout=150) == ["ok", "ok"]
+    finally:
+        w.close()
