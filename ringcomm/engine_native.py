@@ -100,7 +100,7 @@ def _run(plan, conns, ctl, inp_array, out):
                 return _stop(ctl, i, BLOCKED_SEND, c)
         _move(row, conns, ctl, inp, out)
         if ndst and nbytes >= STREAM_MIN:
-            native_sync.fence()                 # streamed slot stores are weakly ordered: all land first
+            native_sync.stream_fence()          # streamed slot stores are weakly ordered: all land first
         for j in range(nsrc):                   # give the incoming slots back
             c = row[PEERS + j]
             conns[c, COUNT] += 1

@@ -9,7 +9,8 @@
     load_word(addr)            the int64 at ``addr``, which need not be aligned (a plain load)
     store_stream(addr, v)      store int64 ``v`` at 8-aligned ``addr`` non-temporally (MOVNTI):
                                past the caches, so the line need not be fetched first; weakly
-                               ordered, so a fence() must come before the store that publishes it
+                               ordered, so stream_fence() must come before the store that publishes it
+    stream_fence()             every earlier streaming store lands before any later store (SFENCE)
 
 Why atomics for plain counters: a compiled spin loop over an ordinary array load may be hoisted
 by LLVM out of the loop (nothing in the loop writes it), and then it never sees the peer's store.
@@ -30,8 +31,9 @@ import time
 _lock = threading.RLock()  # cycles_per_second() holds it while it calls intrinsics()
 _done = None
 load_acquire = store_release = fence = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
-load_word = store_stream = None
-NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr", "load_word", "store_stream")
+load_word = store_stream = stream_fence = None
+NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr", "load_word", "store_stream",
+         "stream_fence")
 
 
 def intrinsics():
@@ -119,7 +121,22 @@ def _make():
             return context.get_dummy_value()
         return types.void(types.int64, types.int64), codegen
 
-    return load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr, load_word, store_stream
+    @intrinsic
+    def stream_fence(typingctx):
+        # Not fence(): LLVM lowers a seq_cst fence on x86 to LOCK OR, and SFENCE is the instruction
+        # both vendors define for ordering MOVNT stores (Linux's memcpy_flushcache ends with one too).
+        def codegen(context, builder, sig, args):
+            if x86:
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                    "llvm.x86.sse.sfence")
+                builder.call(fn, [])
+            else:
+                builder.fence("seq_cst")   # DMB ISH: orders STNP like any store
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    return (load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr, load_word, store_stream,
+            stream_fence)
 
 
 _hz = None
