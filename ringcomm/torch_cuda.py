@@ -16,6 +16,10 @@ the caller's, although the work is queued from another thread:
 - the tensors are marked used on the group's stream (record_stream), so the caching allocator does not
   hand their memory out again before that stream has passed the call.
 
+Point-to-point calls follow the same rule but are not queued one by one: they join the group's held batch
+(ringcomm/torch_p2p.py) with its CPU ones, so an irecv posted before its isend completes. mark() records
+the caller's event at each call; the batch runs inside after_callers() once for all its CUDA calls.
+
 Reductions follow the group's reproducible setting as on the host (RINGCOMM_REPRODUCIBLE=1, or
 ``pg.reproducible``): a float SUM / AVG runs with reproducible=True on ringcomm's device kernels.
 
