@@ -91,13 +91,8 @@ class Proxy:
                 return link.in_hand.popleft()
             if link.error is not None:
                 raise _fresh(link.error)
-            if self.lock.acquire(blocking=False):
-                try:
-                    link.take_ahead()
-                finally:
-                    self.lock.release()
-                if link.in_hand or link.error is not None:
-                    continue
+            if self._take_ahead_if_free(link):
+                continue
             now = time.monotonic()
             if self.abort is not None and self.abort.is_set():
                 raise Aborted(f"rank {self.rank}: abort requested while waiting for {what} over "
@@ -118,6 +113,17 @@ class Proxy:
                 self.watchdog()
                 next_patrol = time.monotonic() + PATROL_PERIOD
 
+    def _take_ahead_if_free(self, link) -> bool:
+        """Take arrived slices (or free slots) for ``link`` in this thread when the proxy is not touching
+        the connections right now (never blocks); whether that left something in hand or an error."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            link.take_ahead()
+        finally:
+            self.lock.release()
+        return bool(link.in_hand) or link.error is not None
+
     def poll(self, link) -> bool:
         """Whether take(link, ...) would return or raise at once: the non-blocking half of take (a group's
         loop polls its connections). Otherwise the proxy is told a caller wants a slot, once, and the slots
@@ -125,13 +131,8 @@ class Proxy:
         if self.error is not None or link.in_hand or link.error is not None:
             return True
         link.deadline = time.monotonic() + self.timeout     # a send link takes slots once a call needs them
-        if self.lock.acquire(blocking=False):
-            try:
-                link.take_ahead()
-            finally:
-                self.lock.release()
-            if link.in_hand or link.error is not None:
-                return True
+        if self._take_ahead_if_free(link):
+            return True
         if not link.wanted:
             with self.cv:
                 link.wanted = True

@@ -217,9 +217,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag=0):
         t = _one(tensors, "recv from any source")
-        if not self._p2p.announced:
-            raise NotImplementedError("recv from any source: this group's sends do not announce themselves "
-                                      "(RINGCOMM_ANY_SOURCE=0, or a group made from a Communicator alone)")
+        self._p2p.check_any_source()
         return self._p2p.recv(host_view(t, "recv tensor"), None, [t])
 
     def _peer(self, peer, what):

@@ -16,6 +16,10 @@ the caller's, although the work is queued from another thread:
 - the tensors are marked used on the group's stream (record_stream), so the caching allocator does not
   hand their memory out again before that stream has passed the call.
 
+Point-to-point calls follow the same rule but are not queued one by one: they join the group's held batch
+(ringcomm/torch_p2p.py) with its CPU ones, so an irecv posted before its isend completes. mark() records
+the caller's event at each call; the batch runs inside after_callers() once for all its CUDA calls.
+
 Reductions follow the group's reproducible setting as on the host (RINGCOMM_REPRODUCIBLE=1, or
 ``pg.reproducible``): a float SUM / AVG runs with reproducible=True on ringcomm's device kernels.
 
@@ -24,6 +28,7 @@ here, one with CPU tensors goes on as before.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from datetime import timedelta
 
@@ -73,22 +78,41 @@ def _check(tensors, what: str):
 
 def _run(pg, name: str, tensors: list, outputs: list, body):
     """Queue body() on the group's worker with the stream semantics above; return its CudaWork."""
-    dev = _check(tensors, name)
+    dev, ready = mark(pg, tensors, name)
+    end = [None]
+
+    def run():
+        with after_callers(pg, [(dev, ready)], end):
+            body()
+    pg._p2p.flush()  # held p2p calls were issued first, so they run first
+    return CudaWork(pg.comm._progress.submit(name, run), outputs, dev, end)
+
+
+def mark(pg, tensors: list, what: str):
+    """In the caller's thread: (device, an event on its current stream there), the tensors marked used on
+    the group's stream of that device, so the caching allocator keeps their memory until it passed."""
+    dev = _check(tensors, what)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(dev))
     side = _stream(pg, dev)
     for t in tensors:
         t.record_stream(side)
-    end = [None]
+    return dev, ready
 
-    def run():
-        with torch.cuda.device(dev), torch.cuda.stream(side):
+
+@contextlib.contextmanager
+def after_callers(pg, marks: list, end: list):
+    """On the worker: the body runs with ``marks``' device current and the group's stream of it as torch's
+    current stream, which first waits for every mark's event; on success end[0] is an event after the body.
+    (One device: the caller checks that every mark names the same one.)"""
+    dev = marks[0][0]
+    side = _stream(pg, dev)
+    with torch.cuda.device(dev), torch.cuda.stream(side):
+        for _, ready in marks:
             side.wait_event(ready)
-            body()
-            end[0] = torch.cuda.Event()
-            end[0].record(side)
-    pg._p2p.flush()  # held p2p calls were issued first, so they run first
-    return CudaWork(pg.comm._progress.submit(name, run), outputs, dev, end)
+        yield
+        end[0] = torch.cuda.Event()     # not reached when the body raised: no stream is chained to it
+        end[0].record(side)
 
 
 def _stream(pg, dev):
@@ -147,20 +171,39 @@ def allgather(pg, output_tensors, input_tensors, opts=None):
     return _run(pg, "all_gather", [inp, flat, *outs], list(outs), body)
 
 
+# ---- point-to-point: held in the group's batch with its CPU calls (ringcomm/torch_p2p.py) ----------------
+# An irecv may come before its isend; the batch runs as one comm.group() on the group's stream, after the
+# callers' streams at each call. A tag is taken as given (messages between two ranks match in issue order).
+
+def _one(tensors, what):
+    if len(tensors) != 1:
+        raise NotImplementedError(f"{what}: the ringcomm backend takes one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
 def send(pg, tensors, dst, tag=0):
-    t = tensors[0]
-    return _run(pg, "send", [t], [t], lambda: pg.comm.send(t, dst))
+    t = _one(tensors, "send")
+    pg._peer(dst, "send")
+    return pg._p2p.send(t, dst, [t], cuda=mark(pg, [t], "send"))
 
 
 def recv(pg, tensors, src, tag=0):
-    t = tensors[0]
-    return _run(pg, "recv", [t], [t], lambda: pg.comm.recv(t, src))
+    t = _one(tensors, "recv")
+    pg._peer(src, "recv")
+    return pg._p2p.recv(t, src, [t], cuda=mark(pg, [t], "recv"))
+
+
+def recv_anysource(pg, tensors, tag=0):
+    t = _one(tensors, "recv from any source")
+    pg._p2p.check_any_source()
+    return pg._p2p.recv(t, None, [t], cuda=mark(pg, [t], "recv from any source"))
 
 
 ROUTED = {"allreduce": allreduce, "allreduce_coalesced": allreduce, "broadcast": broadcast, "reduce": reduce,
           "all_gather_single": all_gather_single, "_allgather_base": all_gather_single,
           "reduce_scatter_single": reduce_scatter_single, "_reduce_scatter_base": reduce_scatter_single,
-          "allgather": allgather, "send": send, "recv": recv}
+          "allgather": allgather, "send": send, "recv": recv,
+          "recv_anysource": recv_anysource}
 
 
 def install(cls) -> None:

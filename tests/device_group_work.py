@@ -100,3 +100,17 @@ def group_outruns_the_peer(comm, count: int) -> dict:
         return {"error": None}
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def late_receiver(comm) -> list[str]:
+    """Rank 0 sends a device buffer at once (blocking, no group); rank 1 calls recv only once rank 0's send end
+    is published, so rank 0's first acquire waits for the receiver's slot placement."""
+    x = _dev(np.arange(300, dtype=np.float32) + 10 * comm.rank)
+    if comm.rank == 0:
+        comm.send(x, 1)
+    else:
+        comm._store.wait([f"{comm._prefix}/device/cuda_ipc/0->1"], comm.timeout)
+        comm.recv(x, 0)
+    fake_cuda.current().synchronize(0)
+    got = x.copy_to_host()
+    return [] if np.array_equal(got, np.arange(300, dtype=np.float32)) else [f"rank {comm.rank}: got {got[:4]}"]

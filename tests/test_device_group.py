@@ -51,3 +51,14 @@ def test_a_device_group_that_stalls_times_out_naming_the_peer_and_the_transport(
         assert err and err.startswith("CollectiveTimeout"), err
         assert "timed out after 2 s in a group" in err and "recv #" in err, err
         assert "rank 1 over tcp+staged" in err, err
+
+
+@pytest.mark.timeout(120)
+def test_a_device_send_waits_for_a_late_receivers_slot_placement(monkeypatch):
+    """Outside a group: a blocking device send whose receiver has not connected yet waits for it (the
+    first acquire's wait for the slot placement), then delivers."""
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    with World(2, ENV, timeout=30) as w:
+        w.run(work.install, 0.0)
+        assert w.run(work.late_receiver, timeout=60) == [[]] * 2

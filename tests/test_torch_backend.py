@@ -331,6 +331,17 @@ def check_recv_from_any_source(rank, n):
     return {q: len(v) for q, v in seen.items()}
 
 
+def check_any_source_irecv_before_isend(rank, n):
+    """Every rank posts an irecv from any source before its isend to rank + 1: the batch's send announces
+    itself before its receive looks for an announcement (else each waits for the other's)."""
+    got = torch.zeros(3)
+    works = [dist.irecv(got), dist.isend(torch.full((3,), float(rank)), (rank + 1) % n)]
+    for w in works:
+        assert w.wait()
+    assert works[0]._source_rank() == (rank - 1) % n and torch.equal(got, torch.full((3,), float((rank - 1) % n)))
+    return "ok"
+
+
 def check_group_name(rank, n):
     """torch names the group and finds it by name: functional collectives, destroy(subgroup)."""
     import torch.distributed._functional_collectives as fc
@@ -430,6 +441,7 @@ def test_irecv_before_isend_larger_than_the_fifo(world):
 def test_recv_from_any_source(world):
     counts = world.run(check_recv_from_any_source)[0]
     assert counts == {q: 3 if q == world.n - 1 else 2 for q in range(1, world.n)}
+    assert world.run(check_any_source_irecv_before_isend, timeout=60) == ["ok"] * world.n
 
 
 @pytest.mark.timeout(120)

@@ -38,10 +38,10 @@ import time
 
 import numpy as np
 
-from . import cuda_rt
+from . import cuda_rt, futex
 from .base import LinkContext, PeerGone, PeerTimeout, RecvConnection, SendConnection, wait_key
 from .cuda_rt import CudaError, Flag
-from .shm import CLOSED, HDR, RECEIVER_PID, SIZES, ShmRecv, ShmSend, ShmTransport, _pid_alive, _Segment
+from .shm import CLOSED, HDR, RECEIVER_PID, SEND_SLEEPS, SIZES, ShmRecv, ShmSend, ShmTransport, _pid_alive, _Segment
 
 CLOSE_GRACE = 5.0       # seconds close() lets our stream drain before it leaks what the stream may still use
 MODE, FILLED, FREED = 384, 392, 400     # int64 words of the segment header, each on a cache line of its own
@@ -180,7 +180,8 @@ class CudaIpcSend(_DeviceLink, ShmSend):
         if self.slots is None:                          # the receiver's choice, once: it is connected by now
             words = self._words()                       # (closed: Aborted)
             if not words[MODE]:
-                self._wait(lambda: words[MODE] != 0, deadline, "the slot placement (ipc or staged) from")
+                self._wait(lambda: words[MODE] != 0, deadline, "the slot placement (ipc or staged) from",
+                           MODE, SEND_SLEEPS)      # the receiver wakes MODE's futex when it writes it
             self._map_slots(int(words[MODE]))
         k, self.deadline = self.posted, deadline
         super().acquire(deadline)                       # the host counters say slot k % nslots is free ...
@@ -327,6 +328,8 @@ class CudaIpcTransport(ShmTransport):
                 raise CudaError(f"{e.call} (connecting to receive from rank {peer})", e.error, e.code) from None
             raise
         seg.words[MODE] = mode                          # the sender maps its slots by this
+        if seg.words[SEND_SLEEPS]:                      # its first acquire sleeps on MODE's futex
+            futex.wake(seg.base + 8 * MODE)
         self.links.append(conn)
         _info(f"rank {self.ctx.rank} <- rank {peer}: cuda_ipc "
               f"{'IPC (device memory, peer to peer)' if mode == IPC else 'STAGED through pinned host memory'}"

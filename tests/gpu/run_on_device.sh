@@ -82,7 +82,7 @@ stage C2 90  "${PYTEST[@]}" tests/gpu/test_gpu_kernels.py
 stage C3 90  bash -c "'$PY' tests/gpu/bench_device.py --ranks 2 4 --sizes 1MiB 16MiB 256MiB 1GiB && \
                       NUMBA_ENABLE_CUDASIM=1 '$PY' tests/gpu/host_overhead.py"
 stage C4 60  "${PYTEST[@]}" tests/gpu/test_gpu_stages.py -k c4 -s
-stage C5 100 "${PYTEST[@]}" tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_torch.py -k "n2-small or buffer_on_another or stream_rule or torch_cuda"
+stage C5 100 "${PYTEST[@]}" tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_torch.py -k "n2-small or buffer_on_another or stream_rule or torch_cuda or batch_isend"
 
 note "total $(( $(date +%s) - start )) s"
 ! grep -q "FAILED\|TIMED OUT" "$OUT/summary.txt"

@@ -77,3 +77,44 @@ def test_reproducible_cuda_tensors_give_the_host_bits():
         assert w.run(reproducible_cuda, timeout=150) == ["ok", "ok"]
     finally:
         w.close()
+
+
+FIFO = 1 << 20                                          # RINGCOMM_CUDA_BUFFSIZE for the test below
+
+
+def ring_shift_irecv_first(rank, n, count):
+    """batch_isend_irecv with every irecv listed before its isend (pipeline order), CUDA messages 10x the device
+    FIFO and a CPU one in the same batch; the sent tensor is still being written on the caller's stream at the
+    call, and the received one is used on that stream after Work.wait() without any host synchronisation."""
+    import torch
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    right, left = (rank + 1) % n, (rank - 1) % n
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)                   # ~25 ms of GPU time queued before the data is written
+        x = torch.full((count,), 1000.0 * rank, device="cuda")
+        for _ in range(20):
+            x += 1
+        got, got_cpu = torch.zeros(count, device="cuda"), torch.zeros(5, dtype=torch.int64)
+        ops = [dist.P2POp(dist.irecv, got, left), dist.P2POp(dist.irecv, got_cpu, left),
+               dist.P2POp(dist.isend, x, right), dist.P2POp(dist.isend, torch.full((5,), rank), right)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()                                    # s waits on the GPU for the batch
+        got += 1
+    s.synchronize()
+    assert bool((got == 1000.0 * left + 21).all()), got[:4]
+    assert got_cpu.tolist() == [left] * 5, got_cpu
+    return "ok"
+
+
+@pytest.mark.timeout(180)
+def test_batch_isend_irecv_with_irecv_first_ten_fifos_of_cuda_tensors(monkeypatch):
+    pytest.importorskip("torch")
+    from test_torch_backend import TorchWorld
+    monkeypatch.setenv("RINGCOMM_CUDA_BUFFSIZE", str(FIFO))           # the spawned ranks inherit it
+    w = TorchWorld(2)
+    try:
+        assert w.run(ring_shift_irecv_first, 10 * FIFO // 4, timeout=150) == ["ok", "ok"]
+    finally:
+        w.close()
