@@ -19,7 +19,7 @@ from .watchdog import Watchdog
 
 DEFAULT_BUFFSIZE = 4 * 1024 * 1024  # bytes of FIFO per connection, like NCCL_BUFFSIZE
 DEFAULT_NSLOTS = 8                  # like NCCL_STEPS
-DEFAULT_SLICE = 64 * 1024           # the native engine's slice: see README, "Engines"
+DEFAULT_SLICE = 256 * 1024          # the native engine's slice, measured per size: docs/06, "Slice size"
 ENGINES = ("native", "python")
 # A rank with a core of its own keeps it while it waits: handing it to a busy process costs a
 # scheduler slice (measured: 8-byte all_reduce 18 -> 78 us with two nice-10 hogs). It polls,

@@ -48,6 +48,9 @@ SPIN_ROUND_S = 200e-6
 FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
 # Connection table columns: the segment's header words, its first slot, this end's counter.
 WORDS, SLOTS, COUNT = range(3)
+# From this many bytes a copy into a slot streams (non-temporal stores, see _to_slot); below it a
+# slice is a few lines whose ordinary stores cost less than the fence that streaming needs.
+STREAM_MIN = 4096
 
 
 def _wait_above(addr, floor, spin):
@@ -96,6 +99,8 @@ def _run(plan, conns, ctl, inp_array, out):
             if not _wait_above(conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT] - nslots, spin):
                 return _stop(ctl, i, BLOCKED_SEND, c)
         _move(row, conns, ctl, inp, out)
+        if ndst and nbytes >= STREAM_MIN:
+            native_sync.stream_fence()          # streamed slot stores are weakly ordered: all land first
         for j in range(nsrc):                   # give the incoming slots back
             c = row[PEERS + j]
             conns[c, COUNT] += 1
@@ -154,7 +159,7 @@ def _move(row, conns, ctl, inp, out):
             _copy(out[oo:oo + k], value)
         first = 0
     for j in range(first, ndst):
-        _copy(_slot(conns, row[PEERS + maxsrc + j], nslots, slot_bytes, inp, k), value)
+        _to_slot(_slot(conns, row[PEERS + maxsrc + j], nslots, slot_bytes, inp, k), value)
 
 
 def _stop(ctl, i, status, c):
@@ -164,6 +169,25 @@ def _stop(ctl, i, status, c):
 
 def _copy(dst, src):
     for i in range(dst.size):
+        dst[i] = src[i]
+
+
+def _to_slot(dst, src):
+    """dst (a slot, 64-byte aligned) = src, with non-temporal stores from STREAM_MIN bytes.
+
+    Why: an ordinary store must first own its line, and the peer read this slot's lines the
+    last time round (they sit in its cache), so every line costs a cross-core round trip. On
+    this machine's VM that held the FIFO at ~2 GB/s whatever the slice size (8 KiB-512 KiB);
+    streaming stores skip the fetch: 64 KiB slices 1.8 -> 12.8 GB/s (docs/06, "Where a
+    broadcast's time went"). The caller fences before it publishes the slot."""
+    nbytes = dst.size * dst.itemsize
+    if nbytes < STREAM_MIN:
+        _copy(dst, src)
+        return
+    d, s, words = dst.ctypes.data, src.ctypes.data, nbytes // 8
+    for i in range(words):
+        native_sync.store_stream(d + 8 * i, native_sync.load_word(s + 8 * i))
+    for i in range(words * 8 // dst.itemsize, dst.size):   # the last bytes of a 1- or 2-byte type
         dst[i] = src[i]
 
 
@@ -184,7 +208,7 @@ def kernel():
             native_reduce, native_avg = native_kernels.compiled()
             jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
             g = globals()
-            for name in ("_wait_above", "_slot", "_stop", "_copy", "_move", "_peer_sleeps"):
+            for name in ("_wait_above", "_slot", "_stop", "_copy", "_to_slot", "_move", "_peer_sleeps"):
                 g[name] = jit(g[name])
             _drop_stale_cache()
             _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)

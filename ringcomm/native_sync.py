@@ -6,6 +6,11 @@
     cpu_pause()                x86 PAUSE: a spin-wait hint (yields the pipeline, not the core)
     cycles()                   the CPU's cycle counter (RDTSC): cheap time for compiled loops
     typed_ptr(addr, like)      ``addr`` as a pointer to ``like``'s element type, for numba.carray
+    load_word(addr)            the int64 at ``addr``, which need not be aligned (a plain load)
+    store_stream(addr, v)      store int64 ``v`` at 8-aligned ``addr`` non-temporally (MOVNTI):
+                               past the caches, so the line need not be fetched first; weakly
+                               ordered, so stream_fence() must come before the store that publishes it
+    stream_fence()             every earlier streaming store lands before any later store (SFENCE)
 
 Why atomics for plain counters: a compiled spin loop over an ordinary array load may be hoisted
 by LLVM out of the loop (nothing in the loop writes it), and then it never sees the peer's store.
@@ -26,11 +31,13 @@ import time
 _lock = threading.RLock()  # cycles_per_second() holds it while it calls intrinsics()
 _done = None
 load_acquire = store_release = fence = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
-NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr")
+load_word = store_stream = stream_fence = None
+NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr", "load_word", "store_stream",
+         "stream_fence")
 
 
 def intrinsics():
-    """(load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr), made once per process and
+    """(load_acquire, ..., store_stream) as in NAMES, made once per process and
     also set as this module's globals, where jitted code finds them."""
     global _done
     if _done is None:
@@ -100,7 +107,36 @@ def _make():
             return builder.inttoptr(args[0], context.get_value_type(ptr_type))
         return ptr_type(types.int64, like), codegen
 
-    return load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr
+    @intrinsic
+    def load_word(typingctx, addr):
+        def codegen(context, builder, sig, args):
+            return builder.load(builder.inttoptr(args[0], i64.as_pointer()), align=1)
+        return types.int64(types.int64), codegen
+
+    @intrinsic
+    def store_stream(typingctx, addr, value):
+        def codegen(context, builder, sig, args):
+            store = builder.store(args[1], builder.inttoptr(args[0], i64.as_pointer()), align=8)
+            store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64), codegen
+
+    @intrinsic
+    def stream_fence(typingctx):
+        # Not fence(): LLVM lowers a seq_cst fence on x86 to LOCK OR, and SFENCE is the instruction
+        # both vendors define for ordering MOVNT stores (Linux's memcpy_flushcache ends with one too).
+        def codegen(context, builder, sig, args):
+            if x86:
+                fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                    "llvm.x86.sse.sfence")
+                builder.call(fn, [])
+            else:
+                builder.fence("seq_cst")   # DMB ISH: orders STNP like any store
+            return context.get_dummy_value()
+        return types.void(), codegen
+
+    return (load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr, load_word, store_stream,
+            stream_fence)
 
 
 _hz = None

@@ -10,7 +10,7 @@ slot, out of it).
 So the read schedules of schedule/onecopy.py run on plain buffers unchanged; only where a
 read step's bytes come from differs (read_engine.py: a mapped view, or a Remote here). Automatic
 choice takes this path for the copy-only collectives (broadcast, all_gather), from CMA_MIN_BYTES
-(measured: below it the FIFO path's pipelining wins; RINGCOMM_CMA_MIN), when every peer passed
+(measured per collective: below it the FIFO path wins; RINGCOMM_CMA_MIN sets one value for both), when every peer passed
 the probe; RINGCOMM_CMA=0 turns it off.
 
 The probe (setup) is collective and runs once per communicator, at the first call that could
@@ -33,7 +33,11 @@ from .env import env_number
 from .errors import RingcommError
 
 COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
-CMA_MIN_BYTES = 1 << 20                     # measured crossover (README, "Single-copy reads of plain buffers")
+# Measured crossovers (2 ranks, docs/06 "Where a 2-rank broadcast's time went"): below them the
+# FIFO path, whose slot copies stream past the caches, is as fast or faster (64 KiB broadcast
+# 8-9 us against 30-50 us by CMA, whose per-call Python and two syscalls cost ~25 us); above them
+# one copy instead of two wins. Bytes as wanted() counts them: broadcast's buffer, all_gather's output.
+CMA_MIN_BYTES = {"broadcast": 8 << 20, "all_gather": 4 << 20}
 
 
 def enabled() -> bool:
@@ -46,7 +50,7 @@ def enabled() -> bool:
 
 def wanted(collective: str, nbytes: int) -> bool:
     """Whether automatic choice would take the CMA read path for this call (if the probe passes)."""
-    return collective in COLLECTIVES and nbytes >= env_number("RINGCOMM_CMA_MIN", CMA_MIN_BYTES, int)
+    return collective in COLLECTIVES and nbytes >= env_number("RINGCOMM_CMA_MIN", CMA_MIN_BYTES[collective], int)
 
 
 class Remote:

@@ -134,3 +134,24 @@ def test_size_mismatch_has_the_reference_engines_message():
             texts[engine] = w.run(_mismatch, engine, timeout=60)
     assert "expected" in texts["native"][0] or "expected" in texts["native"][1], texts
     assert texts["native"] == texts["python"], texts
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32"])   # a tail of single bytes; whole words
+def test_streamed_slot_copies_land_exactly(dtype):
+    """_to_slot streams whole 8-byte words past the caches from STREAM_MIN bytes and finishes a 1-
+    or 2-byte type's last bytes plainly: every byte arrives, from an unaligned source, and nothing
+    past the slice is written."""
+    from ringcomm import engine_native
+    engine_native.kernel()                         # jits the helpers, _to_slot among them
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(3)
+    for nbytes in (engine_native.STREAM_MIN - 8, engine_native.STREAM_MIN, 65536 + 6, 65536 + 8):
+        k = nbytes // dt.itemsize
+        raw = np.zeros(nbytes + 256, np.uint8)
+        start = (-raw.ctypes.data) % 64            # a slot starts 64-byte aligned
+        dst = raw[start:start + k * dt.itemsize + 64].view(dt)
+        src_raw = rng.integers(0, 256, k * dt.itemsize + 3, dtype=np.uint8)
+        src = src_raw[3:].view(dt)                 # a source 3 bytes off any alignment
+        engine_native._to_slot(dst[:k], src)
+        assert dst[:k].tobytes() == src.tobytes(), (dtype, nbytes)
+        assert not dst[k:].view(np.uint8).any(), (dtype, nbytes)   # the bytes after the slice
