@@ -48,7 +48,8 @@ def group_of(test: str) -> str:
     return next(g for g, pattern in GROUPS if re.search(pattern, name))
 
 
-def run_one(backend: str, world: int, out: pathlib.Path, pattern: str, timeout: float) -> None:
+def run_one(backend: str, world: int, out: pathlib.Path, pattern: str, timeout: float) -> bool:
+    """Run one (backend, world); False, with the end of its log shown, if it recorded no test at all."""
     out.unlink(missing_ok=True)
     env = {**os.environ, "BACKEND": backend, "WORLD_SIZE": str(world),
            "RINGCOMM_TIMEOUT": os.environ.get("RINGCOMM_TIMEOUT", "60")}
@@ -59,6 +60,12 @@ def run_one(backend: str, world: int, out: pathlib.Path, pattern: str, timeout: 
                        stdout=subprocess.DEVNULL, stderr=open(out.with_suffix(".log"), "w"))
     except subprocess.TimeoutExpired:
         print(f"   stopped after {timeout:g} s; the table counts the tests that ended", flush=True)
+    if out.exists():
+        return True
+    log = out.with_suffix(".log").read_text().strip().splitlines()
+    print("   no test ran; the end of " + str(out.with_suffix(".log")) + ":\n      " + "\n      ".join(log[-5:]),
+          flush=True)
+    return False
 
 
 def load(path: pathlib.Path) -> dict:
@@ -109,16 +116,17 @@ def main() -> int:
     out = pathlib.Path(a.report or a.out or tempfile.mkdtemp(prefix="torch-suite-"))
     out.mkdir(parents=True, exist_ok=True)
     worlds = [int(w) for w in a.world.split(",")]
+    ran = True
     if not a.report:
         for world in worlds:
             for b in a.backends.split(","):
-                run_one(b, world, out / f"{b}-{world}.jsonl", a.k, a.timeout)
+                ran = run_one(b, world, out / f"{b}-{world}.jsonl", a.k, a.timeout) and ran
     for world in worlds:
         results = {b: load(out / f"{b}-{world}.jsonl") for b in BACKENDS}
         if any(results.values()):
             print(table(world, results) + "\n")
     print(f"results: {out}")
-    return 0
+    return 0 if ran else 1
 
 
 if __name__ == "__main__":
