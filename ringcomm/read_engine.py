@@ -66,21 +66,18 @@ class ReadEngine:
         views: dict = {}
         ex._call, ex._nsteps = call, len(sched.steps)
         if not any(step.reduces for step in sched.steps):   # copy-only: no kernel, no errstate
-            for i, step in enumerate(sched.steps):
-                ex._step = i
-                if step.kind == "sync":
-                    self._sync(ex, call, step.remote)
-                else:
-                    self._step(ex, sched, call, step, None, views, ain, aout)
+            self._steps(ex, sched, call, None, views, ain, aout)
             return
-        fn = kernels.elementwise(call.op, call.inp.dtype)
         with np.errstate(all="ignore"):
-            for i, step in enumerate(sched.steps):
-                ex._step = i
-                if step.kind == "sync":
-                    self._sync(ex, call, step.remote)
-                else:
-                    self._step(ex, sched, call, step, fn, views, ain, aout)
+            self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout)
+
+    def _steps(self, ex, sched, call, fn, views, ain: int, aout: int) -> None:
+        for i, step in enumerate(sched.steps):
+            ex._step = i
+            if step.kind == "sync":
+                self._sync(ex, call, step.remote)
+            else:
+                self._step(ex, sched, call, step, fn, views, ain, aout)
 
     def _where(self, arr, addr: int) -> tuple[int, int]:
         """(allocation index, offset) of a registered buffer; (-1, address) of a plain one at ``addr``."""
