@@ -95,18 +95,16 @@ def stuck_gpu_timeout(comm) -> dict:
     from numba import cuda
     x = cuda.to_device(np.ones(COUNT, np.float32))
     fake_cuda.current().freeze()
-    t0 = time.monotonic()
-    try:
-        for _ in range(3):
-            comm.all_reduce(x)
-        return {"error": None}
-    except RingcommError as e:
-        return {"error": f"{type(e).__name__}: {e}", "after": time.monotonic() - t0}
+    return _three_calls_or_error(comm, x)
 
 
 def wait_for_error(comm) -> dict:
     from numba import cuda
-    x = cuda.to_device(np.ones(COUNT, np.float32))
+    return _three_calls_or_error(comm, cuda.to_device(np.ones(COUNT, np.float32)))
+
+
+def _three_calls_or_error(comm, x) -> dict:
+    """Three all_reduces of x: {"error": None}, or the error that ended them and how long it took."""
     t0 = time.monotonic()
     try:
         for _ in range(3):
