@@ -61,15 +61,8 @@ def _delay(stream_ptr: int, ns: int) -> None:
     import cupy
     from numba import cuda
 
-    @cuda.jit
-    def spin(ns, out):
-        if cuda.grid(1) == 0:
-            t = 0
-            while t < ns:
-                cuda.nanosleep(1_000_000)
-                t += 1_000_000
-            out[0] = 1
-    spin[1, 1, cuda.external_stream(stream_ptr)](ns, cuda.as_cuda_array(cupy.zeros(1, cupy.int32)))
+    from stage_c0_ipc import _delay_kernel     # stage C0's kernel (this folder; C0 itself runs without ringcomm)
+    _delay_kernel()[1, 1, cuda.external_stream(stream_ptr)](ns, cuda.as_cuda_array(cupy.zeros(1, cupy.int32)))
 
 
 def lag(comm, count: int, lag_rank: int) -> dict:
