@@ -19,7 +19,7 @@ import sys
 import time
 
 import gpu_common  # noqa: F401 - puts tests/ on sys.path
-from gpu_common import unavailable
+from gpu_common import call_collective, unavailable
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
@@ -39,17 +39,6 @@ def iterations(size: int) -> tuple[int, int]:
     return (5, 20) if size <= 4 << 20 else (2, 5) if size <= 256 << 20 else (1, 3)
 
 
-def _call(comm, coll, x, out):
-    if coll == "all_reduce":
-        comm.all_reduce(x)
-    elif coll == "all_gather":
-        comm.all_gather(x, out)
-    elif coll == "reduce_scatter":
-        comm.reduce_scatter(x, out)
-    else:
-        comm.broadcast(x, 0)
-
-
 def rank_bench(comm, sizes) -> list:
     """Runs on every rank; returns [(collective, size, seconds per call)]."""
     import cupy
@@ -66,12 +55,12 @@ def rank_bench(comm, sizes) -> list:
                 x, out = {"all_gather": (part, big), "reduce_scatter": (big, part)}.get(coll, (big, None))
                 warm, timed = iterations(size)
                 for _ in range(warm):
-                    _call(comm, coll, x, out)
+                    call_collective(comm, coll, x, out)
                 stream.synchronize()
                 comm.barrier()
                 t0 = time.perf_counter()
                 for _ in range(timed):
-                    _call(comm, coll, x, out)
+                    call_collective(comm, coll, x, out)
                 host = time.perf_counter() - t0             # the host's own time: it never waits for the GPU
                 stream.synchronize()
                 slices = len(next(reversed(comm._device.executor._plans.values()))[1])

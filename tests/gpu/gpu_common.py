@@ -32,3 +32,18 @@ def unavailable() -> str | None:
 def gpu_count() -> int:
     import cupy
     return cupy.cuda.runtime.getDeviceCount()
+
+
+def call_collective(comm, coll: str, x, out) -> None:
+    """One call of ``coll`` as the device benchmarks time it: in place, root 0; ``out`` for the two
+    collectives whose output differs in size from their input."""
+    if coll == "all_reduce":
+        comm.all_reduce(x)
+    elif coll == "all_gather":
+        comm.all_gather(x, out)
+    elif coll == "reduce_scatter":
+        comm.reduce_scatter(x, out)
+    elif coll == "broadcast":
+        comm.broadcast(x, 0)
+    else:
+        comm.reduce(x, 0)

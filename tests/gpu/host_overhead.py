@@ -22,6 +22,7 @@ import sys
 import time
 
 import gpu_common  # noqa: F401 - puts tests/ on sys.path
+from gpu_common import call_collective
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce")
 ENV = {"NUMBA_ENABLE_CUDASIM": "1", "RINGCOMM_CUDA_BUFFSIZE": str(8 * 1024), "RINGCOMM_NSLOTS": "8"}
@@ -40,19 +41,6 @@ def _null_device() -> str:
     return "NullRuntime"
 
 
-def _call(comm, coll, x, out):
-    if coll == "all_reduce":
-        comm.all_reduce(x)
-    elif coll == "all_gather":
-        comm.all_gather(x, out)
-    elif coll == "reduce_scatter":
-        comm.reduce_scatter(x, out)
-    elif coll == "broadcast":
-        comm.broadcast(x, 0)
-    else:
-        comm.reduce(x, 0)
-
-
 def rank_overhead(comm, count: int, calls: int) -> dict:
     import numpy as np
     from numba import cuda
@@ -62,14 +50,14 @@ def rank_overhead(comm, count: int, calls: int) -> dict:
         big = cuda.to_device(np.zeros(count * n, np.float32))
         part = cuda.to_device(np.zeros(count, np.float32))
         x, out = {"all_gather": (part, big), "reduce_scatter": (big, part)}.get(coll, (part, None))
-        _call(comm, coll, x, out)                   # connects and builds the slice plan
+        call_collective(comm, coll, x, out)                   # connects and builds the slice plan
         plans = comm._device.executor._plans
         slices = len(next(reversed(plans.values()))[1])
         walls, cpus = [], []
         for _ in range(calls):
             comm.barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-            _call(comm, coll, x, out)
+            call_collective(comm, coll, x, out)
             walls.append(time.perf_counter() - t0)
             cpus.append(time.process_time() - c0)
         res[coll] = (slices, statistics.median(walls) / slices * 1e6, statistics.median(cpus) / slices * 1e6)
