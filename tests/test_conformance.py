@@ -14,6 +14,7 @@ process (threads) except in the killed-peer test, where rank 1 is a real process
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import signal
@@ -301,12 +302,22 @@ def test_ready_is_true_exactly_when_a_call_would_not_wait(kind, links):
     np.testing.assert_array_equal(recv(r01, soon(kind)), pattern(0, 99, 5))
 
 
-def _held() -> tuple[int, int, list[str]]:
-    """(open fds, shared-memory mappings, this job's names in /dev/shm) of this process."""
+def _held() -> tuple[set[str], set[str], list[str]]:
+    """(open fds, mapped /dev/shm files, this job's names in /dev/shm) of this process.
+
+    Sets, not counts: an earlier test's garbage may be freed while this one runs, and only what this
+    test opened and did not close is a leak."""
+    gc.collect()
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # the fd listdir itself used, gone by now
+            pass
     with open("/proc/self/maps") as f:
-        maps = sum("/dev/shm/rc-" in line for line in f)
+        maps = {line.split()[-1] for line in f if "/dev/shm/rc-" in line}
     job = os.environ["RINGCOMM_JOB_ID"]
-    return len(os.listdir("/proc/self/fd")), maps, sorted(n for n in os.listdir("/dev/shm") if job in n)
+    return fds, maps, sorted(n for n in os.listdir("/dev/shm") if job in n)
 
 
 @pytest.mark.timeout(60)
@@ -328,7 +339,10 @@ def test_close_is_idempotent_and_releases_what_it_holds(kind):
     t0.close()
     with pytest.raises(Aborted, match="closed"):
         t0.connect_send(1, soon(kind))
-    assert _held() == before
+    fds, maps, names = _held()
+    assert fds - before[0] == set(), "file descriptors left open"
+    assert maps - before[1] == set(), "shared memory left mapped"
+    assert set(names) - set(before[2]) == set(), "segments left in /dev/shm"
 
 
 # ---- a killed peer ------------------------------------------------------------------------------
