@@ -1,0 +1,69 @@
+"""The small all_reduce's fast path (ringcomm/known_calls.py): a repeated call on the same arrays skips
+the checks, and only when their outcome cannot have changed."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+
+from harness import World
+
+
+def _repeat_and_change(comm):
+    r, n = comm.rank, comm.world_size
+    want = n * (n - 1) / 2
+    x = np.full((2, 3), r, np.float32)
+    out = np.empty_like(x)
+    results = {}
+    for _ in range(3):                       # the second and third calls take the fast path
+        x[...] = r
+        comm.all_reduce(x, out=out)
+        assert (out == want).all(), out
+    results["entries"] = len(comm._known.entries)
+    for _ in range(3):
+        x[...] = r
+        comm.all_reduce(x)                   # in place: its own entry
+        assert (x == want).all(), x
+    results["entries_after_in_place"] = len(comm._known.entries)
+
+    def refused(fn):
+        try:
+            fn()
+        except (TypeError, ValueError) as e:
+            return type(e).__name__ + ": " + str(e)
+        return "no error"
+
+    x.flags.writeable = False                # the same object, now read-only: in place must refuse
+    results["read_only"] = refused(lambda: comm.all_reduce(x))
+    x.flags.writeable = True
+    x.shape = (3, 2)                         # reshaped in place: still all_reduces all six elements
+    x[...] = r
+    comm.all_reduce(x, out=out.reshape(3, 2))
+    results["reshaped_ok"] = bool((out == want).all())
+    small = np.empty(5, np.float32)
+    results["small_out"] = refused(lambda: comm.all_reduce(x, out=small))
+    as_int = x.view(np.int32)                # another object: its own checks
+    results["int_view_ok"] = comm.all_reduce(as_int.copy()).dtype == np.int32
+    x.dtype = np.int32                       # the dtype changed in place
+    x[...] = r
+    comm.all_reduce(x)
+    results["dtype_changed_ok"] = bool((x == want).all()) and x.dtype == np.int32
+
+    ref = weakref.ref(out)                   # remembered weakly: the arrays are not kept alive
+    del out
+    gc.collect()
+    results["freed"] = ref() is None
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_repeated_small_all_reduce_is_fast_only_while_its_checks_still_hold():
+    with World(2, {}, timeout=30) as w:
+        for res in w.run(_repeat_and_change):
+            assert res["entries"] == 1 and res["entries_after_in_place"] == 2, res
+            assert res["read_only"].startswith("ValueError") and "read-only" in res["read_only"], res
+            assert res["reshaped_ok"] and res["int_view_ok"] and res["dtype_changed_ok"], res
+            assert res["small_out"].startswith("ValueError") and "expected 6" in res["small_out"], res
+            assert res["freed"], res
