@@ -64,7 +64,7 @@ def parse_args(argv):
     try:
         a.datatype = spec.dtype_name(a.datatype)
         a.sizes = spec.sweep(a.minbytes, a.maxbytes, a.stepfactor)
-        a.algos = _algos(a.collective, a.algo)
+        a.algos = _algos(a.collective, a.algo, a.registered)
     except ValueError as e:
         p.error(str(e))
     if not 1 <= a.ranks <= 64:
@@ -82,13 +82,17 @@ def parse_args(argv):
     return a
 
 
-def _algos(coll: str, text):
-    """[None] for automatic, else the algorithm names, checked against what ringcomm has."""
+def _algos(coll: str, text, registered: bool = False):
+    """[None] for automatic, else the algorithm names, checked against what ringcomm has. "all"
+    leaves out "read" unless the buffers are registered (--registered): it reads peers' buffers."""
     if text in (None, "", "auto"):
         return [None]
     from ringcomm.catalogue import ALGOS
     have = list(ALGOS.get(coll, {}))
-    names = have if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    if text == "all":
+        names = [name for name in have if registered or name != "read"]
+    else:
+        names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
         if name != "auto" and name not in have:
             raise ValueError(f"{coll} has no algorithm {name!r}; it has: {', '.join(have) or 'none'} "
