@@ -60,10 +60,11 @@ class Communicator:
         ``reproducible=True`` (sum and avg of float dtypes): every element's bits depend only on the
         multiset of the ranks' inputs -- not on rank order, algorithm, slot settings, position or extra
         ranks of zeros; the exact sum rounded once (see ringcomm.reproducible and docs/05)."""
-        known = self._known.get(buf, out, op, algo) if reproducible is False else None
+        args = ("all_reduce", op, algo)
+        known = self._known.get(buf, out, args) if reproducible is False else None
         if known is not None:  # the same arrays as an earlier call, unchanged: its checks hold
-            x = buf if buf.ndim == 1 else buf.reshape(-1)
-            y = x if out is None else out if out.ndim == 1 else out.reshape(-1)
+            x = _flat(buf)
+            y = x if out is None else _flat(out)
             self._start("all_reduce", known.algo, known.sched, x, y, x.size, known.op, None)
             return buf if out is None else out
         picked_op = as_op(op)
@@ -72,23 +73,35 @@ class Communicator:
         if self._reproducible(reproducible, "all_reduce", algo, x, y, picked_op, None):
             return buf if out is None else out
         picked, sched = self._run("all_reduce", algo, x, y, x.size, picked_op, None, x.nbytes)
-        if self._registry is None:
-            self._known.remember(buf, out, op, algo, picked_op, picked, sched, x.nbytes)
+        self._remember(buf, out, args, picked_op, picked, sched, x, y)
         return buf if out is None else out
 
     @asyncable
     def all_gather(self, buf, out, *, algo=None):
         """``out`` gets world_size blocks of buf.size elements; rank r's buf at block r."""
+        args = ("all_gather", algo)
+        known = self._known.get(buf, out, args)
+        if known is not None:
+            x = _flat(buf)
+            self._start("all_gather", known.algo, known.sched, x, _flat(out), x.size, "sum", None)
+            return out
         x = host_array(buf, "all_gather buf", writable=False)
         y = self._out(out, x, x.size * self.world_size, "all_gather")
-        self._run("all_gather", algo, x, y, x.size, "sum", None, y.nbytes)
+        picked, sched = self._run("all_gather", algo, x, y, x.size, "sum", None, y.nbytes)
+        self._remember(buf, out, args, "sum", picked, sched, x, y)
         return out
 
     @asyncable
     def reduce_scatter(self, buf, out, op=SUM, *, algo=None, reproducible=False):
         """``buf`` holds world_size blocks of out.size; rank r gets block r reduced over all ranks
         (``reproducible=True``: the very bits all_reduce(reproducible=True) gives for those elements)."""
-        op = as_op(op)
+        args = ("reduce_scatter", op, algo)
+        known = self._known.get(buf, out, args) if reproducible is False else None
+        if known is not None:
+            y = _flat(out)
+            self._start("reduce_scatter", known.algo, known.sched, _flat(buf), y, y.size, known.op, None)
+            return out
+        picked_op = op = as_op(op)
         x = host_array(buf, "reduce_scatter buf", writable=False)
         y = host_array(out, "reduce_scatter out", writable=True)
         same_dtype(x, y, "reduce_scatter buf and out")
@@ -97,15 +110,23 @@ class Communicator:
             raise ValueError("reduce_scatter: buf and out overlap without out being buf's own block")
         if self._reproducible(reproducible, "reduce_scatter", algo, x, y, op, None):
             return out
-        self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
+        picked, sched = self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
+        self._remember(buf, out, args, picked_op, picked, sched, x, y)
         return out
 
     @asyncable
     def broadcast(self, buf, root=0, *, algo=None):
         """Every rank's ``buf`` gets root's."""
+        args = ("broadcast", algo, type(root), root)   # with its type: 0.0 == 0, but only an int passes
+        known = self._known.get(buf, None, args)
+        if known is not None:
+            x = _flat(buf)
+            self._start("broadcast", known.algo, known.sched, x, x, x.size, "sum", root)
+            return buf
         self._check_rank(root, "broadcast root")
         x = host_array(buf, "broadcast buf", writable=self.rank != root)
-        self._run("broadcast", algo, x, x, x.size, "sum", root, x.nbytes)
+        picked, sched = self._run("broadcast", algo, x, x, x.size, "sum", root, x.nbytes)
+        self._remember(buf, None, args, "sum", picked, sched, x, x)
         return buf
 
     @asyncable
@@ -295,6 +316,13 @@ class Communicator:
         self._start(collective, algo, sched, x, y, m, op, root, blocks)
         return algo, sched
 
+    def _remember(self, buf, out, args, op, algo, sched, x, y):
+        """Remember a checked call for the fast path (known_calls.py), unless its algorithm came from
+        registered buffers or CMA, which a later call on the same arrays may decide otherwise."""
+        reg = self._registry
+        if reg is None or (algo != READ and not reg.holds(x, y)):
+            self._known.remember(buf, out, args, op, algo, sched, x.nbytes)
+
     def _start(self, collective, algo, sched, x, y, m, op, root, blocks=None):
         """A checked call, with its algorithm and schedule chosen: number it and run it."""
         seq = self._next_seq()
@@ -421,6 +449,10 @@ class Communicator:
             raise ValueError(f"{what} {r!r} is out of range for world_size {self.world_size}")
         if not_me and r == self.rank:
             raise ValueError(f"{what} {r} is this rank itself")
+
+
+def _flat(arr: np.ndarray) -> np.ndarray:
+    return arr if arr.ndim == 1 else arr.reshape(-1)
 
 
 def _aliases_ok(x, y, name, rank) -> bool:

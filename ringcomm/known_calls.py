@@ -1,11 +1,12 @@
-"""Calls seen before: the fast path of a small all_reduce repeated on the same arrays.
+"""Calls seen before: the fast path of a small collective repeated on the same arrays.
 
 A training loop all-reduces the same few small arrays (a loss, a gradient norm, a flag) every
 step. For an 8-byte all_reduce the data moves in about a microsecond; the checks and choices
 before it (the arrays' type, dtype, layout and writability, their overlap, the algorithm for the
 size, the schedule) cost a few more in Python. Their outcome depends only on what this module
 keys and re-checks: the same array objects (held weakly, never kept alive), with the same shape,
-dtype, layout and writability, the same op and algorithm argument. So a repeated call checks those
+dtype, layout and writability, the same collective, op, algorithm and root arguments (the root with
+its type: 0.0 == 0, but only an int passed the check). So a repeated call checks those
 few attributes and goes straight to the executor, whose slice plan is cached too: no allocation
 beyond the call's record, no Python per slice.
 
@@ -50,19 +51,21 @@ class KnownCalls:
     def __init__(self):
         self.entries: dict = {}
 
-    def get(self, buf, out, op, algo) -> KnownCall | None:
+    def get(self, buf, out, args: tuple) -> KnownCall | None:
+        """The remembered call for these arrays and ``args`` (collective, op, algo, root...), if its
+        checks still hold."""
         try:
-            known = self.entries.get((id(buf), id(out), op, algo))
-        except TypeError:   # an unhashable op or algo: the checked path says what is wrong with it
+            known = self.entries.get((id(buf), id(out), args))
+        except TypeError:   # an unhashable op, algo or root: the checked path says what is wrong
             return None
         return known if known is not None and known.holds(buf, out) else None
 
-    def remember(self, buf, out, op, algo, picked_op, picked_algo, sched, nbytes: int) -> None:
+    def remember(self, buf, out, args: tuple, picked_op, picked_algo, sched, nbytes: int) -> None:
         """After the checked path accepted a call: remember it if it is small and on plain numpy arrays."""
         if nbytes > SMALL_BYTES or type(buf) is not np.ndarray or not (out is None or type(out) is np.ndarray):
             return
         try:
-            key = (id(buf), id(out), op, algo)
+            key = (id(buf), id(out), args)
             hash(key)
         except TypeError:
             return

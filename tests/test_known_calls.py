@@ -1,4 +1,4 @@
-"""The small all_reduce's fast path (ringcomm/known_calls.py): a repeated call on the same arrays skips
+"""The small collectives' fast path (ringcomm/known_calls.py): a repeated call on the same arrays skips
 the checks, and only when their outcome cannot have changed."""
 from __future__ import annotations
 
@@ -56,6 +56,50 @@ def _repeat_and_change(comm):
     gc.collect()
     results["freed"] = ref() is None
     return results
+
+
+def _other_collectives(comm):
+    r, n = comm.rank, comm.world_size
+    res = {}
+    buf = np.zeros(4, np.int64)
+    for i in range(3):                        # broadcast from rank 1, then the same arrays again
+        buf[...] = r * 10 + i
+        comm.broadcast(buf, root=1)
+        assert (buf == 10 + i).all(), buf
+    entries = len(comm._known.entries)
+    try:
+        comm.broadcast(buf, root=1.0)         # == 1 and hashes alike, but is no rank number
+        res["float_root"] = "no error"
+    except ValueError as e:
+        res["float_root"] = str(e)
+    out = np.zeros((n, 4), np.float32)
+    mine = np.full(4, r, np.float32)
+    for _ in range(3):
+        out[...] = -1
+        comm.all_gather(mine, out)
+        assert (out == np.arange(n, dtype=np.float32)[:, None]).all(), out
+    scattered = np.zeros(2, np.float64)
+    blocks = np.arange(2 * n, dtype=np.float64)
+    for _ in range(3):
+        comm.reduce_scatter(blocks, scattered)
+        assert (scattered == n * blocks[2 * r:2 * r + 2]).all(), scattered
+    res["entries"] = (entries, len(comm._known.entries))
+    out.flags.writeable = False               # the same out, now read-only
+    try:
+        comm.all_gather(mine, out)
+        res["read_only_out"] = "no error"
+    except ValueError as e:
+        res["read_only_out"] = str(e)
+    return res
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_all_gather_and_reduce_scatter_take_it_too():
+    with World(2, {}, timeout=30) as w:
+        for res in w.run(_other_collectives):
+            assert res["entries"] == (1, 3), res
+            assert "out of range" in res["float_root"] or "broadcast root" in res["float_root"], res
+            assert "read-only" in res["read_only_out"], res
 
 
 @pytest.mark.timeout(60)
