@@ -47,7 +47,7 @@ class Communicator:
         self._auto: dict = {}  # (collective, size band) -> the algorithm automatic choice picked
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
         self._registry = None  # ringcomm.registered.Registry, made by the first alloc()
-        self._known = KnownCalls()  # small all_reduces repeated on the same arrays (known_calls.py)
+        self._known = KnownCalls()  # small calls repeated on the same arrays (known_calls.py)
         self._scratch: dict = {}  # reproducible mode's codes and limbs, kept between calls
         self._progress = Progress(rank, self._execute_now, self.abort)  # where calls run, in order
 
@@ -67,13 +67,13 @@ class Communicator:
             y = x if out is None else _flat(out)
             self._start("all_reduce", known.algo, known.sched, x, y, x.size, known.op, None)
             return buf if out is None else out
-        picked_op = as_op(op)
+        op = as_op(op)
         x = host_array(buf, "all_reduce buf", writable=out is None)
         y = x if out is None else self._out(out, x, x.size, "all_reduce")
-        if self._reproducible(reproducible, "all_reduce", algo, x, y, picked_op, None):
+        if self._reproducible(reproducible, "all_reduce", algo, x, y, op, None):
             return buf if out is None else out
-        picked, sched = self._run("all_reduce", algo, x, y, x.size, picked_op, None, x.nbytes)
-        self._remember(buf, out, args, picked_op, picked, sched, x, y)
+        picked, sched = self._run("all_reduce", algo, x, y, x.size, op, None, x.nbytes)
+        self._remember(buf, out, args, op, picked, sched, x, y)
         return buf if out is None else out
 
     @asyncable
@@ -101,7 +101,7 @@ class Communicator:
             y = _flat(out)
             self._start("reduce_scatter", known.algo, known.sched, _flat(buf), y, y.size, known.op, None)
             return out
-        picked_op = op = as_op(op)
+        op = as_op(op)
         x = host_array(buf, "reduce_scatter buf", writable=False)
         y = host_array(out, "reduce_scatter out", writable=True)
         same_dtype(x, y, "reduce_scatter buf and out")
@@ -111,7 +111,7 @@ class Communicator:
         if self._reproducible(reproducible, "reduce_scatter", algo, x, y, op, None):
             return out
         picked, sched = self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
-        self._remember(buf, out, args, picked_op, picked, sched, x, y)
+        self._remember(buf, out, args, op, picked, sched, x, y)
         return out
 
     @asyncable
