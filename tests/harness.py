@@ -143,3 +143,18 @@ class World:
             os.unlink(path)
         if left and exc[0] is None:
             raise WorldError(f"segments left in /dev/shm: {left}")
+
+
+def open_fds() -> set[str]:
+    """This process's open fds with their targets ("12->socket:[...]"), after freeing garbage.
+    Compare sets, not counts: an earlier test's garbage may be freed meanwhile, and only what a
+    test opened may not stay open."""
+    import gc
+    gc.collect()
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
+        except OSError:  # the fd listdir itself used, gone by now
+            pass
+    return fds

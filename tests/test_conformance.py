@@ -14,7 +14,6 @@ process (threads) except in the killed-peer test, where rank 1 is a real process
 """
 from __future__ import annotations
 
-import gc
 import importlib.util
 import os
 import signal
@@ -29,6 +28,7 @@ import pytest
 from ringcomm.store import HashStore, TCPStore
 from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout, pid_alive
 from ringcomm.transport.shm import remove_stale
+from harness import open_fds
 from link_helpers import pattern, run_threads
 
 KINDS = ("shm", "tcp", "ibverbs", "cuda_ipc")
@@ -307,13 +307,7 @@ def _held() -> tuple[set[str], set[str], list[str]]:
 
     Sets, not counts: an earlier test's garbage may be freed while this one runs, and only what this
     test opened and did not close is a leak."""
-    gc.collect()
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-        except OSError:  # the fd listdir itself used, gone by now
-            pass
+    fds = open_fds()
     with open("/proc/self/maps") as f:
         maps = {line.split()[-1] for line in f if "/dev/shm/rc-" in line}
     job = os.environ["RINGCOMM_JOB_ID"]

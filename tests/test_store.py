@@ -1,7 +1,6 @@
 """The rendezvous store: HashStore and TCPStore behave alike; the TCP server survives bad clients."""
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import socket
@@ -10,6 +9,7 @@ import time
 
 import pytest
 
+from harness import open_fds
 from ringcomm import store_wire as wire
 from ringcomm.errors import StoreError, StoreTimeout
 from ringcomm.store import HashStore, TCPStore
@@ -251,7 +251,7 @@ def test_unreachable_store_times_out_clearly():
 
 @pytest.mark.timeout(10)
 def test_close_wakes_waiters_and_releases_everything():
-    fds = _open_fds()
+    fds = open_fds()
     srv = TCPStore("127.0.0.1", 0, is_server=True, token=TOKEN, timeout=5)
     c = client(srv.port)
     errors = []
@@ -272,20 +272,8 @@ def test_close_wakes_waiters_and_releases_everything():
     srv.close()  # idempotent
     with pytest.raises(StoreError, match="closed"):
         c.get("x")
-    assert _open_fds() - fds == set(), "the store left file descriptors open"
+    assert open_fds() - fds == set(), "the store left file descriptors open"
 
-
-def _open_fds() -> set[str]:
-    """This process's open fds with their targets, after freeing garbage. A set, not a count: an
-    earlier test's garbage may be freed meanwhile, and only what this test opened may not stay open."""
-    gc.collect()
-    fds = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            fds.add(f"{fd}->{os.readlink(f'/proc/self/fd/{fd}')}")
-        except OSError:  # the fd listdir itself used, gone by now
-            pass
-    return fds
 
 
 @pytest.mark.timeout(5)
