@@ -286,11 +286,10 @@ class ShmSend(_Link, SendConnection):
         words[SIZES + self.posted % self.nslots] = nbytes
         self.posted += 1
         words[POSTED] = self.posted  # after the data and the size: see the TSO note above
-        if words[RECV_SLEEPS]:
-            futex.wake(self.seg.base + 8 * POSTED)
+        self.wake_peer()
 
     def wake_peer(self) -> None:
-        """Wake the receiver if it sleeps for a slice (a compiled loop that posted calls it)."""
+        """Wake the receiver if it sleeps for a slice (after post(); a compiled loop that posted calls it)."""
         words = self.seg.words
         if words is not None and words[RECV_SLEEPS]:   # None: closed here meanwhile (abort)
             futex.wake(self.seg.base + 8 * POSTED)
@@ -343,11 +342,10 @@ class ShmRecv(_Link, RecvConnection):
         self.held = False
         self.released += 1
         words[RELEASED] = self.released
-        if words[SEND_SLEEPS]:
-            futex.wake(self.seg.base + 8 * RELEASED)
+        self.wake_peer()
 
     def wake_peer(self) -> None:
-        """Wake the sender if it sleeps for a free slot (a compiled loop that released calls it)."""
+        """Wake the sender if it sleeps for a free slot (after release(); a compiled loop that released calls it)."""
         words = self.seg.words
         if words is not None and words[SEND_SLEEPS]:   # None: closed here meanwhile (abort)
             futex.wake(self.seg.base + 8 * RELEASED)
