@@ -33,15 +33,20 @@ def stream_semantics(rank, n):
     return "ok"
 
 
-@pytest.mark.timeout(180)
-def test_torch_cuda_tensors_follow_nccl_stream_semantics():
+def _on_two_ranks(fn, *args):
+    """fn(rank, n, *args) on a 2-rank torch world with the ringcomm backend; the ranks' answers."""
     pytest.importorskip("torch")
     from test_torch_backend import TorchWorld
     w = TorchWorld(2)
     try:
-        assert w.run(stream_semantics, timeout=150) == ["ok", "ok"]
+        return w.run(fn, *args, timeout=150)
     finally:
         w.close()
+
+
+@pytest.mark.timeout(180)
+def test_torch_cuda_tensors_follow_nccl_stream_semantics():
+    assert _on_two_ranks(stream_semantics) == ["ok", "ok"]
 
 
 def reproducible_cuda(rank, n):
@@ -70,13 +75,7 @@ def reproducible_cuda(rank, n):
 
 @pytest.mark.timeout(180)
 def test_reproducible_cuda_tensors_give_the_host_bits():
-    pytest.importorskip("torch")
-    from test_torch_backend import TorchWorld
-    w = TorchWorld(2)
-    try:
-        assert w.run(reproducible_cuda, timeout=150) == ["ok", "ok"]
-    finally:
-        w.close()
+    assert _on_two_ranks(reproducible_cuda) == ["ok", "ok"]
 
 
 FIFO = 1 << 20                                          # RINGCOMM_CUDA_BUFFSIZE for the test below
@@ -110,11 +109,5 @@ def ring_shift_irecv_first(rank, n, count):
 
 @pytest.mark.timeout(180)
 def test_batch_isend_irecv_with_irecv_first_ten_fifos_of_cuda_tensors(monkeypatch):
-    pytest.importorskip("torch")
-    from test_torch_backend import TorchWorld
     monkeypatch.setenv("RINGCOMM_CUDA_BUFFSIZE", str(FIFO))           # the spawned ranks inherit it
-    w = TorchWorld(2)
-    try:
-        assert w.run(ring_shift_irecv_first, 10 * FIFO // 4, timeout=150) == ["ok", "ok"]
-    finally:
-        w.close()
+    assert _on_two_ranks(ring_shift_irecv_first, 10 * FIFO // 4) == ["ok", "ok"]
