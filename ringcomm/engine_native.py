@@ -28,7 +28,6 @@ import numpy as np
 
 from ringcomm.kernels import native as native_kernels
 from ringcomm.transport import shm
-from ringcomm.transport.base import waits_for_my_cpu
 
 from . import native_sync
 
@@ -41,8 +40,8 @@ CTL_SIZE = 12
 DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE, WAKE = range(6)
 SPIN_ROUND_S = 200e-6
 # The first poll of a wait is shorter: then Python asks whether the peer waits for this very CPU
-# (transport.base.waits_for_my_cpu: the scheduler stacked both ranks on one core, as it does when
-# busy processes hold the other). If so, every round is a short poll and a sched_yield, which
+# (the link's peer_waits_for_my_cpu, see transport.base.CpuWatch: the scheduler stacked both ranks
+# on one core, as it does when busy processes hold the other). If so, every round is a short poll and a sched_yield, which
 # hands the core to the peer at once; 200 us rounds cost each hand-off 200 us (measured, 2 ranks
 # stacked: broadcast 2.3 GB/s at any size, one 64 KiB slice per ~28 us).
 FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
@@ -351,7 +350,7 @@ class NativeEngine:
                     rounds, where = 0, ctl[NEXT]
                 long_round = ctl[SPIN] == self.spin
                 rounds += 1
-                self.stacked = waits_for_my_cpu(self.objs[ctl[CONN]].peer_pid())
+                self.stacked = self.objs[ctl[CONN]].peer_waits_for_my_cpu()
                 ctl[SPIN] = self.short if self.stacked else self.spin
                 if self.stacked or long_round:  # after a short first round, a free peer: poll on
                     os.sched_yield()

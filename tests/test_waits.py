@@ -70,11 +70,14 @@ def _until_asleep(tid: int, limit: float = 20.0, proc: str = "") -> None:
     raise AssertionError(f"thread {tid} never went to sleep in futex(2)")
 
 
-def test_a_runnable_peer_on_this_cpu_is_seen_waiting_for_it():
+@pytest.mark.parametrize("kept_open", [False, True], ids=["opened-each-time", "CpuWatch"])
+def test_a_runnable_peer_on_this_cpu_is_seen_waiting_for_it(kept_open):
     import subprocess
     import sys
 
-    from ringcomm.transport.base import waits_for_my_cpu
+    from ringcomm.transport.base import CpuWatch, waits_for_my_cpu
+    watch = CpuWatch()
+    check = watch.waits_for_my_cpu if kept_open else waits_for_my_cpu
     cpu = min(os.sched_getaffinity(0))
     busy = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile 1: pass"])
     idle = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
@@ -83,12 +86,18 @@ def test_a_runnable_peer_on_this_cpu_is_seen_waiting_for_it():
         os.sched_setaffinity(0, {cpu})       # this thread and the busy peer now share one CPU
         end, seen = time.monotonic() + 20, False
         while not seen and time.monotonic() < end:  # until the peer has pinned itself and spins
-            seen = waits_for_my_cpu(busy.pid)
+            seen = check(busy.pid)
         assert seen, "a busy peer pinned to this CPU was never seen waiting for it"
         _until_asleep(idle.pid, proc=f"/proc/{idle.pid}/stat")
-        assert not waits_for_my_cpu(idle.pid)  # asleep in read(): giving it the core helps nothing
+        assert not check(idle.pid)  # asleep in read(): giving it the core helps nothing
     finally:
         os.sched_setaffinity(0, mask)
         for p in (busy, idle):
             p.kill()
             p.wait(10)
+    assert not check(idle.pid)  # reaped: the kept file answers ESRCH, which means "no"
+    if kept_open:
+        fd = watch.fd
+        watch.close()
+        with pytest.raises(OSError):
+            os.fstat(fd)  # close() gave the fd back

@@ -106,19 +106,50 @@ def _getcpu():
 _sched_getcpu = _getcpu()
 
 
+def _waits_for(stat: bytes) -> bool:
+    """Whether a /proc/PID/stat line says: runnable ("R") and last placed on this thread's CPU."""
+    fields = stat.rsplit(b")", 1)[-1].split()
+    # fields[0] is field 3 (state) of proc(5); field 39 (processor) is fields[36]
+    return len(fields) > 36 and fields[0] == b"R" and int(fields[36]) == _sched_getcpu()
+
+
 def waits_for_my_cpu(pid: int) -> bool:
     """True when process ``pid`` is runnable ("R") and was last placed on the CPU this thread runs
     on: it waits for this very core, so spinning here only delays it. (A peer on another core, or
-    asleep, is not helped by giving up this core.) False where /proc or sched_getcpu is missing."""
+    asleep, is not helped by giving up this core.) False where /proc or sched_getcpu is missing.
+    A wait that asks often keeps a CpuWatch instead: this opens the file each time (17 us here)."""
     if _sched_getcpu is None:
         return False
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return _waits_for(f.read())
     except OSError:
         return False
-    # fields[0] is field 3 (state) of proc(5); field 39 (processor) is fields[36]
-    return len(fields) > 36 and fields[0] == "R" and int(fields[36]) == _sched_getcpu()
+
+
+class CpuWatch:
+    """waits_for_my_cpu() for one peer, with its /proc/PID/stat kept open: a pread of it costs
+    ~3-5 us against ~17 us to open, read and close it (measured on this 2-core VM). Its owner
+    closes it with its link, so a closed communicator holds no fd."""
+
+    def __init__(self) -> None:
+        self.pid, self.fd = 0, -1
+
+    def waits_for_my_cpu(self, pid: int) -> bool:
+        if _sched_getcpu is None or pid <= 0:
+            return False
+        try:
+            if pid != self.pid:
+                self.close()
+                self.fd, self.pid = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC), pid
+            return _waits_for(os.pread(self.fd, 1024, 0))
+        except OSError:  # gone (ESRCH once the process has exited): nothing waits for this CPU
+            return False
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.pid, self.fd = 0, -1
 
 
 PATROL_PERIOD = 0.5  # seconds between a slow wait's checks of peer liveness and the watchdog

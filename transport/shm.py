@@ -29,8 +29,8 @@ import time
 import numpy as np
 
 from . import futex
-from .base import (PATROL_PERIOD, Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
-                   SendConnection, Transport, pid_alive, wait_key)
+from .base import (PATROL_PERIOD, Aborted, Backoff, CpuWatch, LinkContext, PeerGone, PeerTimeout,
+                   RecvConnection, SendConnection, Transport, pid_alive, wait_key)
 
 MAGIC = 0x52434D5348310001  # "RCMSH1", layout version 1
 HDR = 4096
@@ -160,6 +160,7 @@ class _Link:
         self.ctx, self.peer, self.seg = ctx, peer, seg
         self.nslots, self.slot_bytes = ctx.nslots, ctx.slot_bytes
         self._peer_pid_word, self._peer_closed_word = peer_pid_word, peer_closed_word
+        self._cpu = CpuWatch()
 
     def _wait(self, ready, deadline: float, what: str, counter: int, flag: int) -> None:
         """Wait until ready() holds; spin, yield, then sleep (see Backoff) on the futex of header
@@ -217,6 +218,11 @@ class _Link:
     def peer_pid(self) -> int:
         """The peer's pid as it wrote it into the segment (0 until it has attached)."""
         return int(self._words()[self._peer_pid_word])
+
+    def peer_waits_for_my_cpu(self) -> bool:
+        """Whether the peer is runnable on the CPU this thread runs on (base.waits_for_my_cpu):
+        asked by a compiled loop after each round of polling, so the peer's stat file stays open."""
+        return self._cpu.waits_for_my_cpu(self.peer_pid())
 
     def _check_peer(self, what: str) -> None:
         words = self._words()
@@ -299,6 +305,7 @@ class ShmSend(_Link, SendConnection):
             self.seg.words[CLOSED] = 1
             self.seg.unlink()
             self.seg.close()
+        self._cpu.close()
 
 
 class ShmRecv(_Link, RecvConnection):
@@ -354,6 +361,7 @@ class ShmRecv(_Link, RecvConnection):
         if self.seg.words is not None:
             self.seg.words[CLOSED + 1] = 1
             self.seg.close()
+        self._cpu.close()
 
 
 class ShmTransport(Transport):
