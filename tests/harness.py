@@ -21,6 +21,40 @@ from ringcomm.store import TCPStore
 from ringcomm.transport.shm import remove_stale
 
 SPAWN = mp.get_context("spawn")
+# A fresh rank pays ~1 s of CPU before its first call (Python, numpy, ringcomm, and numba loading the
+# native engine's loop from its disk cache), most of a small test's time on 2 cores. With the forkserver,
+# ranks fork from one process that has paid it once (tests/rank_preload.py). conftest.py starts it
+# for sessions that compile the loop anyway; elsewhere (CI's Soft-RoCE guest) ranks are spawned.
+FORKSERVER = mp.get_context("forkserver")
+_forkserver_env: dict | None = None  # the environment the forkserver started with
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now (before any test counts this process's fds) with the rank preload."""
+    global _forkserver_env
+    from multiprocessing import forkserver
+    FORKSERVER.set_forkserver_preload(["rank_preload"])
+    # Python 3.11's forkserver ignores the sys.path it is handed and swallows the ImportError, so
+    # the server finds tests/ through PYTHONPATH (its own environment only: restored at once).
+    here, saved = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
+    _forkserver_env = dict(os.environ)
+
+
+def _context(env: dict):
+    """The forkserver, unless this world's environment differs from the server's in a variable that
+    the preloaded modules read when imported (numba's NUMBA_*, e.g. its CUDA simulator): then spawn."""
+    if _forkserver_env is None:
+        return SPAWN
+    keys = {k for k in (*env, *_forkserver_env) if k.startswith("NUMBA_")}
+    return FORKSERVER if all(env.get(k) == _forkserver_env.get(k) for k in keys) else SPAWN
 
 
 class WorldError(AssertionError):
@@ -28,6 +62,7 @@ class WorldError(AssertionError):
 
 
 def _worker(rank, n, port, token, env, conn, rank0_hosts_store=False):
+    os.environ.clear()  # the test's whole environment: a forked rank starts with the forkserver's
     os.environ.update(env)
     import ringcomm
     if rank0_hosts_store:  # MASTER_ADDR, MASTER_PORT and RINGCOMM_TOKEN are in env
@@ -57,7 +92,7 @@ class World:
         self.n = n
         self.job = "t" + secrets.token_hex(4)
         self.token = secrets.token_hex(8)
-        env = {"RINGCOMM_JOB_ID": self.job, "RINGCOMM_TIMEOUT": str(timeout), **(env or {})}
+        env = {**os.environ, "RINGCOMM_JOB_ID": self.job, "RINGCOMM_TIMEOUT": str(timeout), **(env or {})}
         if rank0_hosts_store:
             from ringcomm.launch import free_port
             self.store, port = None, free_port("127.0.0.1")
@@ -66,9 +101,10 @@ class World:
             self.store = TCPStore("127.0.0.1", 0, is_server=True, token=self.token, timeout=timeout)
             port = self.store.port
         self.procs, self.conns = [], []
+        ctx = _context(env)
         for r in range(n):
-            parent, child = SPAWN.Pipe()
-            p = SPAWN.Process(target=_worker, args=(r, n, port, self.token, env, child, rank0_hosts_store),
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, n, port, self.token, env, child, rank0_hosts_store),
                               daemon=True)
             p.start()
             child.close()
