@@ -305,3 +305,18 @@ def test_all_to_all_has_no_in_place_row():
     line = report.row_line(row)
     assert line.split()[-4:] == ["N/A"] * 4 and row["root"] == -1 and row["redop"] == "none"
     assert report.avg_busbw([row]) == row["oop"]["busbw"]
+
+
+@pytest.mark.timeout(120)
+def test_copy_ceiling_prints_one_row_of_positive_rates_per_size():
+    """examples/copy_ceiling.py, the ceiling the issue-12 note quotes for host copy collectives."""
+    script = os.path.join(os.path.dirname(__file__), "..", "examples", "copy_ceiling.py")
+    r = subprocess.run([sys.executable, script, "--sizes", "64K,1M", "--reps", "3"], capture_output=True,
+                       text=True, timeout=100)
+    assert r.returncode == 0, r.stderr[-2000:]
+    header, *rows = r.stdout.strip().splitlines()
+    assert "1 core" in header and "2 cores" in header
+    assert [row.split()[0] for row in rows] == ["65536", "1048576"]
+    for row in rows:
+        one, halves, each = (float(row.split()[i]) for i in (1, 2, 4))
+        assert min(one, halves, each) > 0, row
