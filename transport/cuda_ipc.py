@@ -271,7 +271,8 @@ class CudaIpcTransport(ShmTransport):
         CudaIpcTransport._serial += 1
         name = f"rc-{self.job}-{os.getpid()}-g{CudaIpcTransport._serial}"
         ctx, rt = self.ctx, self.rt
-        seg = _Segment(name, ctx.nslots, ctx.slot_bytes, create=True)   # slot pages untouched unless STAGED
+        # reserve=False: the slot pages stay untouched (and unreserved) unless the link falls back to STAGED
+        seg = _Segment(name, ctx.nslots, ctx.slot_bytes, create=True, reserve=False)
         published = {"seg": name, "pid": os.getpid(), "bus": rt.bus_id(self.device), "mem": "", "why": ""}
         base = 0
         try:
@@ -308,7 +309,7 @@ class CudaIpcTransport(ShmTransport):
             raise PeerGone(f"rank {peer} failed to set up its end: {published['failed']}", peer=peer,
                            transport=self.name)
         try:
-            seg = _Segment(published["seg"], self.ctx.nslots, self.ctx.slot_bytes, create=False)
+            seg = _Segment(published["seg"], self.ctx.nslots, self.ctx.slot_bytes, create=False, reserve=False)
         except FileNotFoundError:
             raise PeerGone(f"rank {peer}'s segment {published['seg']} vanished before this rank mapped it",
                            peer=peer, transport=self.name) from None

@@ -128,9 +128,11 @@ def _reserve(fd: int, size: int, name: str) -> None:
 
 
 class _Segment:
-    """A mapped segment: the int64 header words and the slots as uint8 arrays."""
+    """A mapped segment: the int64 header words and the slots as uint8 arrays. ``reserve``: give the
+    slots their pages now and map them all (see _reserve, _POPULATE); cuda_ipc, whose host slots
+    stay untouched unless it falls back to staging, leaves them to come at first touch."""
 
-    def __init__(self, name: str, nslots: int, slot_bytes: int, create: bool):
+    def __init__(self, name: str, nslots: int, slot_bytes: int, create: bool, reserve: bool = True):
         self.name = name
         self.path = "/dev/shm/" + name
         size = HDR + nslots * slot_bytes
@@ -145,8 +147,9 @@ class _Segment:
         try:
             if create:
                 os.ftruncate(fd, size)
-                _reserve(fd, size, name)
-            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+                if reserve:
+                    _reserve(fd, size, name)
+            self.map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | (_POPULATE if reserve else 0))
         except BaseException:
             if create:  # no half-made segment stays behind in /dev/shm
                 self.unlink()
