@@ -259,14 +259,21 @@ class NativeEngine:
         self.rows: dict = {}          # id(connection) -> row
         self.owned = False            # COUNT is ahead of the connections' attributes
         self.ctl = np.zeros(CTL_SIZE, np.int64)
-        hz = native_sync.cycles_per_second()
-        self.budget = int(budget_s * hz)
+        self.spin_s, self.budget_s = spin_s, budget_s
+        self.stacked = False  # the last look found the peer waiting for this CPU: start short
+        self.kernel = None    # numba and the loop load at the first plan over shm links (_start)
+
+    def _start(self) -> None:
+        """Load the compiled loop and turn the polling times into cycle-counter ticks. Not in
+        __init__: a communicator whose links are all tcp or ibverbs never runs the loop, and need
+        not pay numba's start-up (~0.5 s; minutes under the Soft-RoCE guest's emulated CPU)."""
+        hz, spin_s = native_sync.cycles_per_second(), self.spin_s
+        self.budget = int(self.budget_s * hz)
         # A blocked wait polls in rounds of SPIN_ROUND_S, os.sched_yield() between rounds, for
         # spin_s in all; then it is the transport's wait (deadline, abort, liveness, back-off).
         self.spin = int(min(spin_s, SPIN_ROUND_S) * hz)
         self.rounds = int(spin_s / SPIN_ROUND_S)
         self.first, self.short = int(min(spin_s, FIRST_ROUND_S) * hz), int(min(spin_s, STACKED_ROUND_S) * hz)
-        self.stacked = False  # the last look found the peer waiting for this CPU: start short
         self.kernel = kernel()
 
     def plan(self, entries) -> NativePlan | None:
@@ -274,6 +281,8 @@ class NativeEngine:
         conns = {c for e in entries for _, c in e[6] + e[7]}
         if not all(isinstance(c, (shm.ShmSend, shm.ShmRecv)) for c in conns):
             return None
+        if self.kernel is None:
+            self._start()
         maxsrc = max((len(e[6]) for e in entries), default=0)
         maxdst = max((len(e[7]) for e in entries), default=0)
         table = np.zeros((len(entries), PEERS + maxsrc + maxdst), np.int64)
