@@ -41,9 +41,9 @@ DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE, WAKE = range(6)
 SPIN_ROUND_S = 200e-6
 # The first poll of a wait is shorter: then Python asks whether the peer waits for this very CPU
 # (the link's peer_waits_for_my_cpu, see transport.base.CpuWatch: the scheduler stacked both ranks
-# on one core, as it does when busy processes hold the other). If so, every round is a short poll and a sched_yield, which
-# hands the core to the peer at once; 200 us rounds cost each hand-off 200 us (measured, 2 ranks
-# stacked: broadcast 2.3 GB/s at any size, one 64 KiB slice per ~28 us).
+# on one core, as it does when busy processes hold the other). If so, every round is a short poll
+# and a sched_yield, which hands the core to the peer at once; 200 us rounds cost each hand-off
+# 200 us (measured, 2 ranks stacked: broadcast 2.3 GB/s at any size, one 64 KiB slice per ~28 us).
 FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
 # Connection table columns: the segment's header words, its first slot, this end's counter.
 WORDS, SLOTS, COUNT = range(3)

@@ -118,13 +118,11 @@ def waits_for_my_cpu(pid: int) -> bool:
     on: it waits for this very core, so spinning here only delays it. (A peer on another core, or
     asleep, is not helped by giving up this core.) False where /proc or sched_getcpu is missing.
     A wait that asks often keeps a CpuWatch instead: this opens the file each time (17 us here)."""
-    if _sched_getcpu is None:
-        return False
+    watch = CpuWatch()
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return _waits_for(f.read())
-    except OSError:
-        return False
+        return watch.waits_for_my_cpu(pid)
+    finally:
+        watch.close()
 
 
 class CpuWatch:
