@@ -98,7 +98,7 @@ def verify(collective: str, algo, world_size: int, count: int, *, root: int | No
       is wrong as faults.Failure records (kind, rank, step, chunk, detail), kinds in
       ringcomm.schedule.faults.KINDS: missing contribution, counted twice, misplaced block,
       unmatched send or receive, deadlock (also one at every FIFO size, with its shortest trace),
-      read-after-write, clobbered buffer, post-op, malformed schedule;
+      read-after-write, data race, clobbered buffer, post-op, malformed schedule;
     - the reduction order of every output element (for ``count`` elements of ``itemsize`` bytes
       cut by a FIFO of ``buffsize`` bytes in ``nslots`` slots, as the executor would cut them),
       whether all ranks share it (naming the ranks that do not) and whether it depends on the

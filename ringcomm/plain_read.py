@@ -33,11 +33,14 @@ from .env import env_number
 from .errors import RingcommError
 
 COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
-# Measured crossovers (2 ranks, docs/06 "Where a 2-rank broadcast's time went"): below them the
-# FIFO path, whose slot copies stream past the caches, is as fast or faster (64 KiB broadcast
-# 8-9 us against 30-50 us by CMA, whose per-call Python and two syscalls cost ~25 us); above them
-# one copy instead of two wins. Bytes as wanted() counts them: broadcast's buffer, all_gather's output.
-CMA_MIN_BYTES = {"broadcast": 8 << 20, "all_gather": 4 << 20}
+# Measured crossovers (2 ranks, docs/06 "Where a 2-rank broadcast's time went" and "Two cores
+# fill one buffer"): below them the FIFO path, whose slot copies stream past the caches, is as
+# fast or faster (64 KiB broadcast 8-9 us against 30-50 us by CMA, whose per-call Python and two
+# syscalls cost ~25 us); above them one copy instead of two wins. broadcast's is lower because
+# its root writes half of each reader's buffer while the reader reads the other half (2 MiB:
+# 74-116 us against 100-108 by the FIFOs). Bytes as wanted() counts them: broadcast's buffer,
+# all_gather's output.
+CMA_MIN_BYTES = {"broadcast": 2 << 20, "all_gather": 4 << 20}
 
 
 def enabled() -> bool:
@@ -71,6 +74,13 @@ class Remote:
         if out.size != self.size or not out.flags.c_contiguous:
             raise ValueError(f"CMA read of {self.size} elements into {out.size} (contiguous: {out.flags.c_contiguous})")
         cma.read(self.pid, self.addr, out.ctypes.data, out.nbytes)
+
+    def copy_from(self, src: np.ndarray) -> None:
+        """This piece = src, in one copy (process_vm_writev; src: C-contiguous, same size and dtype)."""
+        if src.size != self.size or not src.flags.c_contiguous:
+            raise ValueError(f"CMA write of {src.size} elements into {self.size} "
+                             f"(contiguous: {src.flags.c_contiguous})")
+        cma.write(self.pid, self.addr, src.ctypes.data, src.nbytes)
 
 
 def setup(reg, words, magic: int) -> bool:

@@ -93,6 +93,15 @@ class ReadEngine:
             if aout + oo * size != ain + io * size:   # not a copy onto itself
                 out[...] = call.inp[io:io + k]
             return
+        if step.writes:  # this rank's input chunk straight into each peer's output chunk
+            src = call.inp[io:io + k]
+            for q in step.remote:
+                dst = self._view(ex, call, q, "out", views, "write into")[oo:oo + k]
+                if isinstance(dst, Remote):
+                    self._cma(ex, call, dst, src, writing=True)
+                else:
+                    dst[...] = src
+            return
         if step.reads == "out":
             srcs = [self._view(ex, call, step.remote[0], "out", views)[oo:oo + k]]
         else:
@@ -100,7 +109,7 @@ class ReadEngine:
                     for q in step.remote]
         if not step.reduces:
             if isinstance(srcs[0], Remote):
-                self._cma_read(ex, call, srcs[0], out)
+                self._cma(ex, call, srcs[0], out)
             else:
                 out[...] = srcs[0]
             return
@@ -133,13 +142,13 @@ class ReadEngine:
             buf = self.scratch[dtype] = np.empty(size, dtype)
         return buf
 
-    def _view(self, ex, call, q: int, which: str, views: dict) -> np.ndarray:
+    def _view(self, ex, call, q: int, which: str, views: dict, verb: str = "read") -> np.ndarray:
         """Peer q's input or output of this call, once q has entered it."""
         got = views.get((q, which))
         if got is not None:
             return got
         words = self.reg.peers[q, "ctl"].bytes.view(np.int64)
-        doing = f"waiting for {call.name} #{call.seq} to start so as to read the registered buffer of"
+        doing = f"waiting for {call.name} #{call.seq} to start so as to {verb} the registered buffer of"
         self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex, CALLS)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
@@ -159,17 +168,24 @@ class ReadEngine:
         got = views[q, which] = seg.bytes[off:off + arr.nbytes].view(arr.dtype)
         return got
 
-    def _cma_read(self, ex, call, src: Remote, out) -> None:
+    def _cma(self, ex, call, remote: Remote, local, writing: bool = False) -> None:
+        """Copy between a peer's plain buffer and this rank's ``local`` array by CMA: out of
+        ``remote`` into ``local`` for a read step, the other way for a write step."""
         t0 = time.monotonic()
-        ex._waiting = (src.peer, "read", 0, t0)
+        ex._waiting = (remote.peer, "write" if writing else "read", 0, t0)
         try:
-            src.copy_to(out)
+            if writing:
+                remote.copy_from(local)
+            else:
+                remote.copy_to(local)
         except CmaError as e:
-            doing = f"reading (CMA) its buffer in {call.name} #{call.seq} from"
+            doing = (f"writing (CMA) into its buffer in {call.name} #{call.seq} of" if writing else
+                     f"reading (CMA) its buffer in {call.name} #{call.seq} from")
             if e.errno == errno.ESRCH:  # the peer died: explained like any dead peer
-                raise ex._explain(PeerGone(f"rank {src.peer} (pid {src.pid}) died", peer=src.peer,
+                raise ex._explain(PeerGone(f"rank {remote.peer} (pid {remote.pid}) died", peer=remote.peer,
                                            transport="shm"), doing) from None
-            raise RingcommError(f"rank {self.reg.rank} (this process) failed {doing} rank {src.peer}: {e}") from None
+            raise RingcommError(f"rank {self.reg.rank} (this process) failed {doing} rank {remote.peer}: "
+                                f"{e}") from None
         ex._waiting = None
 
     def _sync(self, ex, call, peers) -> None:

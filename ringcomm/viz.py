@@ -71,6 +71,9 @@ class _Recording(TracingSim):
                 if q != me:
                     ranks = [q] if step.reads == "in" else sorted(value.ranks)
                     self.sent.append((q, me, step.chunk, ranks, peer_read.stage(sched, index)))
+        if step.writes:  # an arrow to each peer whose buffer this step wrote into
+            for q in step.remote:
+                self.sent.append((me, q, step.chunk, [me], peer_read.stage(sched, index)))
 
 
 def color(r: int, n: int) -> str:

@@ -93,19 +93,20 @@ def test_a_refused_probe_on_one_rank_keeps_every_rank_on_the_fifos(how):
         assert w.run(_refuse, how, timeout=60) == [(False, True, True)] * 2
 
 
-def _die_while_read(comm):
-    """Rank 0 reads rank 1's (the root's) buffer; rank 1 is killed just as the read starts."""
+def _die_during(comm, method, root):
+    """Rank 0 copies by CMA to or from rank 1 (Remote.copy_to: it reads the root, rank 1's, buffer;
+    copy_from: as the root it writes half of rank 1's); rank 1 is killed just as the copy starts."""
     from ringcomm import plain_read
-    copy_to = plain_read.Remote.copy_to
+    original = getattr(plain_read.Remote, method)
 
-    def killed_first(self, out):
+    def killed_first(self, arr):
         os.kill(self.pid, signal.SIGKILL)
         while not _gone(self.pid):   # it is our sibling: a zombie of the test process, not reaped
             time.sleep(0.01)
-        copy_to(self, out)
+        original(self, arr)
 
-    plain_read.Remote.copy_to = killed_first
-    comm.broadcast(np.zeros(1 << 20, np.float32), root=1)
+    setattr(plain_read.Remote, method, killed_first)
+    comm.broadcast(np.full(1 << 20, comm.rank, np.float32), root=root)
 
 
 def _gone(pid):
@@ -116,20 +117,22 @@ def _gone(pid):
         return True
 
 
-def _root(comm):
-    comm.broadcast(np.ones(1 << 20, np.float32), root=1)
+def _broadcast(comm, root):
+    comm.broadcast(np.full(1 << 20, comm.rank, np.float32), root=root)
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_killed_during_a_cma_read_is_reported_at_once():
+@pytest.mark.parametrize("method, root, doing", [
+    ("copy_to", 1, "reading \\(CMA\\) its buffer in broadcast #\\d+ from"),
+    ("copy_from", 0, "writing \\(CMA\\) into its buffer in broadcast #\\d+ of")])
+def test_a_peer_killed_during_a_cma_copy_is_reported_at_once(method, root, doing):
     with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=60) as w:
-        w.start(_die_while_read, ranks=[0])
-        w.start(_root, ranks=[1])
+        w.start(_die_during, method, root, ranks=[0])
+        w.start(_broadcast, root, ranks=[1])
         t0 = time.monotonic()
         status, text = w.collect([0], 60)[0]
         took = time.monotonic() - t0
         w.kill()
     assert status == "err" and "PeerFailure" in text, text
-    assert re.search(r"rank 0 \(this process\) failed reading \(CMA\) its buffer in broadcast #\d+ from rank 1 "
-                     r"over shm: rank 1 \(pid \d+\) died", text), text
+    assert re.search(rf"rank 0 \(this process\) failed {doing} rank 1 over shm: rank 1 \(pid \d+\) died", text), text
     assert took < 20, f"the dead peer was reported after {took:.1f} s"

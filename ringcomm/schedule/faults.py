@@ -24,13 +24,16 @@ READ_AFTER_WRITE = "read-after-write"
 # In place, a step overwrites part of the buffer that the collective leaves alone on that rank
 # (reduce on a non-root rank: its buf is its input, and it may even be read-only).
 CLOBBER = "clobbered buffer"
+# A rank writes straight into a peer's buffer (write_copy) while another access to the same chunk
+# (the owner's, or a third rank's read or write) is not ordered before or after it by syncs.
+RACE = "data race"
 # The op's post-processing (AVG's division) is applied never, twice, or before a reduction.
 POST_OP = "post-op"
 # The schedules are not a well-formed set: wrong rank numbers, peers or chunks out of range, a
 # builder that fails or returns something other than a Schedule.
 MALFORMED = "malformed schedule"
 
-KINDS = (MISSING, TWICE, MISPLACED, UNMATCHED, DEADLOCK, READ_AFTER_WRITE, CLOBBER, POST_OP, MALFORMED)
+KINDS = (MISSING, TWICE, MISPLACED, UNMATCHED, DEADLOCK, READ_AFTER_WRITE, RACE, CLOBBER, POST_OP, MALFORMED)
 
 
 @dataclass(frozen=True)

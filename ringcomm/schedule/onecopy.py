@@ -13,13 +13,16 @@ the call while a peer may still read its buffers.
   own chunks of r's input); in the second it writes chunks the peers do not read.
 - reduce_scatter: rank r reduces block r of every rank's input into its output; sync.
 - all_gather: rank r copies its own block, then block q straight from rank q's input; sync.
-- broadcast: every rank but the root copies the root's buffer; the root syncs with each reader,
-  the readers with the root only.
+- broadcast: the buffer is cut into n chunks; reader r copies every chunk but chunk r from the
+  root's buffer while the root writes chunk r straight into reader r's buffer (write_copy), so
+  two cores fill a 2-rank broadcast's buffer, a half each; the root syncs with each reader, the
+  readers with the root only.
 - reduce: the root reduces every rank's input; the root syncs with each rank.
 """
 from __future__ import annotations
 
-from .step import BLOCK, OWN, SPLIT, Schedule, copy, read_copy, read_out_copy, read_reduce_copy, sync
+from .step import (BLOCK, OWN, SPLIT, Schedule, copy, read_copy, read_out_copy, read_reduce_copy, sync,
+                   write_copy)
 
 ALGO = "read"
 
@@ -53,10 +56,14 @@ def read_all_gather(rank: int, n: int) -> Schedule:
 
 def read_broadcast(rank: int, n: int, root: int) -> Schedule:
     _check(rank, n, root)
-    if n == 1 or rank == root:
-        others = _others(rank, n)
-        return Schedule("broadcast", ALGO, rank, n, 1, SPLIT, SPLIT, (copy(0),) + ((sync(others),) if others else ()))
-    return Schedule("broadcast", ALGO, rank, n, 1, SPLIT, SPLIT, (read_copy(0, root), sync(root)))
+    if n == 1:
+        return Schedule("broadcast", ALGO, rank, n, 1, SPLIT, SPLIT, (copy(0),))
+    others = _others(rank, n)
+    if rank == root:  # writes chunk r of each reader r, then its own copy (none in place)
+        steps = (*(write_copy(r, r) for r in others), *(copy(c) for c in range(n)), sync(others))
+    else:             # reads every chunk but its own from the root, which writes that one
+        steps = (*(read_copy(c, root) for c in range(n) if c != rank), sync(root))
+    return Schedule("broadcast", ALGO, rank, n, n, SPLIT, SPLIT, steps)
 
 
 def read_reduce(rank: int, n: int, root: int) -> Schedule:

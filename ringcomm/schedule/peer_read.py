@@ -17,14 +17,23 @@ The model, as ringcomm/read_engine.py runs it:
   before it (the peer would read the result, not the input): READ_AFTER_WRITE. Writing back a
   chunk's own input value (all_gather's own block) changes nothing and is allowed.
 - Static rules (validate): the peers exist; read_reduce_copy combines this rank's own input with
-  at least one peer's; every read of a peer is followed, later in the schedule, by a sync with
-  that peer, so no rank leaves the call while another still reads its buffers.
+  at least one peer's; every read of a peer (or write into it) is followed, later in the
+  schedule, by a sync with that peer, so no rank leaves the call while another still reads its
+  buffers or writes into them.
+- ``write_copy`` puts this rank's input chunk straight into each target's output chunk, once the
+  target has entered the round. The target does not see it happen, so nothing else may touch
+  that chunk's memory (the target writing or reading it, in place its input under it, a third
+  rank reading or writing it) unless syncs order the two. The check is a vector clock per rank,
+  as a race detector keeps: a rank's epoch grows at each sync it arrives at, passing a sync with
+  p merges p's clock as p arrived, and two accesses to one chunk are ordered when the later one's
+  rank had seen the earlier one's epoch. Only schedules with a write_copy keep the access log
+  (simulate's ``racy``); for reads alone the rules above are exact.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 
-from .faults import MALFORMED, READ_AFTER_WRITE, UNMATCHED, Failure, ScheduleError
+from .faults import MALFORMED, RACE, READ_AFTER_WRITE, UNMATCHED, Failure, ScheduleError
 from .spec import IN_PLACE, input_name, output_cell
 from .values import Sym
 
@@ -33,13 +42,19 @@ class _State:
     """Per simulation: arrivals[r][p] = syncs of r with p reached so far; pending: the sync
     (round, step, slice) each rank has arrived at and not yet passed; seen[(q, p, j)]: q's
     outputs (round, [values]) when it reached its j-th sync with p; input_reads[(round, owner,
-    reader, pair phase)]: the owner's input chunks the reader read in that phase."""
+    reader, pair phase)]: the owner's input chunks the reader read in that phase. For the race
+    check: clocks[r] (rank -> the latest epoch of it that r has seen; r's own is its current one),
+    clock_at[(r, p, j)] (r's clock when it reached its j-th sync with p), and log[place]: every
+    access to a chunk's memory as (rank, epoch, what, region, where)."""
 
     def __init__(self):
         self.arrivals = defaultdict(lambda: defaultdict(int))
         self.pending = {}
         self.seen = {}
         self.input_reads = defaultdict(set)
+        self.clocks = {}
+        self.clock_at = {}
+        self.log = defaultdict(list)
 
 
 def _state(sim) -> _State:
@@ -70,8 +85,9 @@ def validate(schedules) -> None:
                 later = {p for x in s.steps[i + 1:] if x.kind == "sync" for p in x.remote}
                 unsynced = sorted(p for p in st.remote if p != r and p not in later)
                 if unsynced:
+                    verb = "writes into" if st.writes else "reads"
                     problem = (f"no sync with rank(s) {unsynced} follows, so they could leave the call "
-                               f"(and reuse their buffers) while this rank still reads them")
+                               f"(and reuse their buffers) while this rank still {verb} them")
             if problem:
                 raise ScheduleError([Failure(MALFORMED, r, i, st.chunk, f"{where}: {problem}")])
 
@@ -83,15 +99,21 @@ def advance(sim, st, step) -> bool:
         here = (st.round, st.index, st.slice)
         if ps.pending.get(me) != here:  # arrive once: count it and keep what our outputs hold now
             ps.pending[me] = here
+            mine = _clock(ps, me)
             for p in step.remote:
                 _check_overwrites(sim, st, p)
                 ps.arrivals[me][p] += 1
                 ps.seen[me, p, ps.arrivals[me][p]] = (st.round, list(sim.outputs[st.round][me]))
+                ps.clock_at[me, p, ps.arrivals[me][p]] = dict(mine)
+            mine[me] += 1  # what this rank does from here on, its peers at this sync have not seen
         if any(ps.arrivals[p][me] < ps.arrivals[me][p] for p in step.remote):
             return False
         del ps.pending[me]
+        mine = _clock(ps, me)
         for p in step.remote:
             st.known |= sim.ranks[p].known
+            for q, epoch in ps.clock_at[p, me, ps.arrivals[me][p]].items():
+                mine[q] = max(mine.get(q, 0), epoch)
         return True
     for q in step.remote:
         if q == me:
@@ -100,7 +122,8 @@ def advance(sim, st, step) -> bool:
         if other.round < st.round and not other.done:
             return False  # q has not entered this round yet
         if other.round > st.round or other.done:
-            sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} reads rank {q}'s buffer "
+            verb = "writes into" if step.writes else "reads"
+            sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} {verb} rank {q}'s buffer "
                                                                  f"after rank {q} left round {st.round}"))
         st.known.add((q, st.round))
         if step.reads == "in":
@@ -110,7 +133,55 @@ def advance(sim, st, step) -> bool:
                 sim._fault(READ_AFTER_WRITE, st, f"{st.where()} reads rank {q}'s input chunk {name}, which "
                                                  f"rank {q} has already overwritten with its output", IN_PLACE)
             ps.input_reads[st.round, q, me, ps.arrivals[me][q]].add(name)
+            if sim.racy:
+                touch(sim, st, input_place(st.round, q, name), "read", "in")
     return True
+
+
+def _clock(ps: _State, r: int) -> dict:
+    """Rank r's vector clock; its own epoch starts at 1, so no peer has seen it before a sync."""
+    c = ps.clocks.get(r)
+    if c is None:
+        c = ps.clocks[r] = {r: 1}
+    return c
+
+
+def input_place(rd: int, q: int, name) -> tuple:
+    """The memory of rank q's input chunk ``name`` in round rd, as the race check names it."""
+    return rd, q, "in", name
+
+
+def output_place(sim, rd: int, q: int, cell: int) -> tuple:
+    """The memory of rank q's output cell: in place, the input chunk it lies over."""
+    name = sim.alias[q].get(cell)
+    return (rd, q, "in", name) if name is not None else (rd, q, "out", cell)
+
+
+def touch(sim, st, place: tuple, what: str, region: str) -> None:
+    """Log st's access to ``place`` ("read", "write" by its owner, "remote write" by write_copy)
+    of the owner's ``region`` ("in" or "out": in place both may be one memory) and report a RACE
+    with any earlier access by another rank that involves a remote write and that st's rank has
+    not seen (no chain of syncs from it to here)."""
+    ps, me = _state(sim), st.sched.rank
+    mine = _clock(ps, me)
+    log = ps.log[place]
+    for a, epoch, did, their_region, where in log:
+        if a == me or "remote write" not in (did, what) or mine.get(a, 0) >= epoch:
+            continue
+        _, q, _, chunk = place
+        form = IN_PLACE if their_region != region else None
+        sim._fault(RACE, st, f"{st.where()} ({what}) and {where} ({did}) both touch rank {q}'s chunk "
+                             f"{chunk} with no sync ordering them: which comes first depends on timing", form)
+        break
+    log.append((me, mine[me], what, region, st.where()))
+
+
+def write(sim, st, step, value) -> None:
+    """write_copy: ``value`` (this rank's input chunk) into each target's output chunk."""
+    for q in step.remote:
+        cell = output_cell(sim.ranks[q].sched, step.chunk)
+        touch(sim, st, output_place(sim, st.round, q, cell), "remote write", "out")
+        sim.store(st, q, cell, value)
 
 
 def _cell_over(sim, q, name):
@@ -146,6 +217,8 @@ def value(sim, st, step):
     if step.kind == "sync":
         return None
     s, me = st.sched, st.sched.rank
+    if step.writes:  # this rank's own input chunk, to be written into the targets (write())
+        return sim._read(st, step, input_name(s, step.chunk))
     if step.reads == "in":
         vals = [sim._read(st, step, input_name(s, step.chunk)) if q == me else
                 Sym.leaf(q, input_name(sim.ranks[q].sched, step.chunk)) for q in step.remote]
@@ -157,6 +230,8 @@ def value(sim, st, step):
     j = ps.arrivals[me][q]
     rd, outs = ps.seen.get((q, me, j), (None, None))
     cell = output_cell(sim.ranks[q].sched, step.chunk)
+    if sim.racy:
+        touch(sim, st, output_place(sim, st.round, q, cell), "read", "out")
     if j == 0 or rd != st.round or outs[cell] is None:
         sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} reads rank {q}'s output chunk "
                                                              f"{cell} before rank {q} wrote it (no sync between "
@@ -181,7 +256,8 @@ def waiting(sim, st, step) -> tuple[int, str]:
                            f"only {ps.arrivals[p][me]} syncs with this rank")
     for q in step.remote:
         if q != me and sim.ranks[q].round < st.round:
-            return q, f"waits for rank {q} to enter round {st.round} to read its buffer"
+            verb = "write into" if step.writes else "read"
+            return q, f"waits for rank {q} to enter round {st.round} to {verb} its buffer"
     return step.remote[0], "waits on a peer"
 
 
@@ -193,9 +269,10 @@ def stage(s, index: int) -> int:
 
 
 def cost_messages(scheds, m, chunk) -> None:
-    """Add the reads and syncs of registered schedules to cost.Messages ``m``: a read of a peer's
-    chunk is an item of ``chunk`` bytes from the peer (reduced on arrival for read_reduce_copy);
-    a sync with p is an empty message from p, which the model prices at one alpha."""
+    """Add the reads, writes and syncs of registered schedules to cost.Messages ``m``: a read of a
+    peer's chunk is an item of ``chunk`` bytes from the peer (reduced on arrival for
+    read_reduce_copy), a write into a peer's chunk one to the peer; a sync with p is an empty
+    message from p, which the model prices at one alpha."""
     for s in scheds:
         for i, st in enumerate(s.steps):
             if not st.remote:
@@ -205,7 +282,8 @@ def cost_messages(scheds, m, chunk) -> None:
                 if q == s.rank:
                     continue
                 size = 0 if st.kind == "sync" else chunk
-                m.size[q, s.rank, k] += size
-                m.items[q, s.rank, k]  # noqa: B018 - the key exists: the message is counted
+                a, b = (s.rank, q) if st.writes else (q, s.rank)
+                m.size[a, b, k] += size
+                m.items[a, b, k]  # noqa: B018 - the key exists: the message is counted
                 if st.reduces:
                     m.reduced[s.rank, k] += size

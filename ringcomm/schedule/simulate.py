@@ -169,6 +169,9 @@ class _Sim:
         # input slices overwritten with a new value: (round, rank, name, slice) -> (step, value)
         self.alias = [aliases(s) if in_place else {} for s in schedules]
         self.overwritten: dict = {}
+        # Only schedules that write into peers' buffers keep a log of every access, for the race
+        # check of schedule/peer_read.py (FIFO schedules cannot race: each rank writes its own).
+        self.racy = any(x.writes for s in schedules for x in s.steps)
         for st in self.ranks:
             self._start_round(st)
 
@@ -259,6 +262,8 @@ class _Sim:
                 self.finals.append((st.round, me, st.index, step, value))
         if step.copies:
             self._write(st, output_cell(s, step.chunk), value)
+        if step.writes:  # into peers' outputs: schedule/peer_read.py
+            peer_read.write(self, st, step, value)
         known = frozenset(st.known)
         for b in step.dst:
             msg = _Msg((st.round, step.chunk, st.slice), value, known, me, st.where())
@@ -274,6 +279,8 @@ class _Sim:
 
     def _read(self, st: _Rank, step: Step, name: int) -> Sym:
         me = st.sched.rank
+        if self.racy:
+            peer_read.touch(self, st, peer_read.input_place(st.round, me, name), "read", "in")
         hit = self.overwritten.get((st.round, me, name, st.slice))
         if hit is not None:
             wrote, v = hit
@@ -284,6 +291,14 @@ class _Sim:
 
     def _write(self, st: _Rank, cell: int, value: Sym) -> None:
         me = st.sched.rank
+        if self.racy:
+            peer_read.touch(self, st, peer_read.output_place(self, st.round, me, cell), "write", "out")
+        self.store(st, me, cell, value)
+
+    def store(self, st: _Rank, owner: int, cell: int, value: Sym) -> None:
+        """Rank ``owner``'s output cell gets ``value`` from st's current step (st is the owner, or a
+        peer writing into its buffer); in place, the input chunk under it changes with it."""
+        me = owner
         self.outputs[st.round][me][cell] = value
         self.writers[st.round, me, cell] = st.index
         name = self.alias[me].get(cell)

@@ -90,6 +90,14 @@ READS = {
     "read_out_copy": ("out", False, True),
     "sync": (None, False, False),
 }
+# The write twin: the step's own input chunk lands straight in each peer's output chunk (the
+# peer's registered buffer, or a plain one by process_vm_writev), so a second core can fill part
+# of a buffer its owner is filling too (a 2-rank broadcast: the root writes one half while the
+# receiver reads the other).
+#   write_copy         every peer in ``remote`` gets output[chunk] = this rank's input chunk
+# The same rules hold, and one more: nothing may touch that output chunk (its owner, or another
+# rank reading or writing it) unless a chain of syncs orders it before or after the write.
+WRITES = {"write_copy"}
 
 
 @dataclass(frozen=True)
@@ -101,13 +109,14 @@ class Step:
     remote: tuple[int, ...] = ()  # the peers a READS step reads (or syncs with)
 
     def __post_init__(self):
-        if self.kind in READS:
+        if self.kind in READS or self.kind in WRITES:
             self._init_read()
             return
         if self.kind not in KINDS:
             raise ValueError(f"unknown step kind {self.kind!r}")
         if self.remote:
-            raise ValueError(f"{self.kind} moves data through FIFOs: remote= is for {sorted(READS)}")
+            raise ValueError(f"{self.kind} moves data through FIFOs: remote= is for "
+                             f"{sorted(READS) + sorted(WRITES)}")
         recv, _, _, send = KINDS[self.kind]
         if recv != bool(self.src) or send != bool(self.dst):
             raise ValueError(f"{self.kind} needs src={'peers' if recv else '()'} "
@@ -119,11 +128,12 @@ class Step:
         # step yields the chunk's finished reduction, where AVG's division is applied.
         recvs, reduces, copies, sends = KINDS[self.kind]
         for name, value in (("recvs", recvs), ("reduces", reduces), ("copies", copies),
-                            ("sends", sends), ("final", reduces and copies), ("reads", None)):
+                            ("sends", sends), ("final", reduces and copies), ("reads", None),
+                            ("writes", False)):
             object.__setattr__(self, name, value)
 
     def _init_read(self) -> None:
-        buffer, reduces, copies = READS[self.kind]
+        buffer, reduces, copies = READS.get(self.kind, (None, False, False))
         if self.src or self.dst or not self.remote:
             raise ValueError(f"{self.kind} needs remote=peers and no src or dst, got src={self.src} "
                              f"dst={self.dst} remote={self.remote}")
@@ -131,7 +141,8 @@ class Step:
             raise ValueError(f"{self.kind} reads {len(self.remote)} peers but does not reduce: "
                              f"which value would it keep?")
         for name, value in (("recvs", False), ("reduces", reduces), ("copies", copies), ("sends", False),
-                            ("final", reduces and copies), ("reads", buffer)):
+                            ("final", reduces and copies), ("reads", buffer),
+                            ("writes", self.kind in WRITES)):
             object.__setattr__(self, name, value)
 
     def __str__(self) -> str:
@@ -141,7 +152,8 @@ class Step:
         if self.dst:
             s += f", to={list(self.dst)}"
         if self.remote:
-            s += f", {'with' if self.kind == 'sync' else 'reads'}={list(self.remote)}"
+            verb = {"sync": "with", "write_copy": "writes"}.get(self.kind, "reads")
+            s += f", {verb}={list(self.remote)}"
         return s + ")"
 
 
@@ -195,6 +207,10 @@ def read_reduce_copy(c, frm):
 
 def read_out_copy(c, frm):
     return Step("read_out_copy", c, remote=_peers(frm))
+
+
+def write_copy(c, to):
+    return Step("write_copy", c, remote=_peers(to))
 
 
 def sync(peers):
