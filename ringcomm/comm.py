@@ -304,7 +304,8 @@ class Communicator:
         picked = self._pick_algo(collective, algo, nbytes)
         # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
         auto = self._forced_algo in ("", READ) and (algo is None or algo == self._forced_algo)
-        if auto and self._registry is None and self.world_size > 1 and plain_read.wanted(collective, nbytes):
+        n = self.world_size
+        if auto and self._registry is None and n > 1 and plain_read.wanted(collective, nbytes, n):
             self._make_registry()  # plain buffers may take the read steps by CMA: settle probes once
         if self._registry is not None or picked == READ:  # comm.alloc or a CMA candidate, or "read" asked for
             picked = settle(self._registry, collective, picked, auto, x, y, nbytes)

@@ -57,7 +57,7 @@ def settle(reg, collective: str, algo: str, auto: bool, x, y, nbytes: int) -> st
     held = reg is not None and reg.holds(x, y)
     if auto:
         # cma_ok() is collective the first time: called on every rank for the same calls
-        cma = reg is not None and plain_read.wanted(collective, nbytes) and reg.cma_ok()
+        cma = reg is not None and plain_read.wanted(collective, nbytes, reg.n) and reg.cma_ok()
         if (held and nbytes >= READ_MIN_BYTES and ALGO in ALGOS[collective]) or cma:
             return ALGO
         return "ring" if algo == ALGO else algo
