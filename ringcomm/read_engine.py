@@ -51,11 +51,12 @@ class ReadEngine:
         self.calls = 0                       # registered calls entered, as published in CALLS
         self.syncs = [0] * reg.n             # syncs reached with each peer, as published in SYNC + p
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
+        self.plans: dict = {}                # (id(schedule), m) -> (schedule, reduces?, spans): _plan
 
     def run(self, ex, sched, call) -> None:
         """Run a "read" schedule (one round: the whole buffer) on registered buffers, or on plain ones
         that the peers read by CMA (plain_read.py)."""
-        words = self.reg.ctl.bytes.view(np.int64)
+        words = self.reg.ctl.words
         # Each address once per call (address() costs ~1 us of Python: a 16 KiB call's CMA read is ~7).
         ain = address(call.inp)
         aout = ain if call.out is call.inp else address(call.out)
@@ -65,28 +66,43 @@ class ReadEngine:
         self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
         views: dict = {}
         ex._call, ex._nsteps = call, len(sched.steps)
-        if not any(step.reduces for step in sched.steps):   # copy-only: no kernel, no errstate
-            self._steps(ex, sched, call, None, views, ain, aout)
+        reduces, spans = self._plan(sched, call.m)
+        if not reduces:   # copy-only: no kernel, no errstate
+            self._steps(ex, sched, call, None, views, ain, aout, spans)
             return
         with np.errstate(all="ignore"):
-            self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout)
+            self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout, spans)
 
-    def _steps(self, ex, sched, call, fn, views, ain: int, aout: int) -> None:
+    def _plan(self, sched, m: int) -> tuple[bool, list]:
+        """(whether any step reduces, each step's (input offset, length, output offset)) for this
+        schedule and element count, worked out once: a call then costs no chunk arithmetic."""
+        key = (id(sched), m)
+        got = self.plans.get(key)
+        if got is None or got[0] is not sched:
+            if len(self.plans) >= 64:
+                self.plans.clear()
+            spans = []
+            for step in sched.steps:
+                io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
+                oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
+                spans.append((io, k, oo))
+            got = self.plans[key] = (sched, any(step.reduces for step in sched.steps), spans)
+        return got[1], got[2]
+
+    def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, spans) -> None:
         for i, step in enumerate(sched.steps):
             ex._step = i
             if step.kind == "sync":
                 self._sync(ex, call, step.remote)
             else:
-                self._step(ex, sched, call, step, fn, views, ain, aout)
+                self._step(ex, call, step, fn, views, ain, aout, *spans[i])
 
     def _where(self, arr, addr: int) -> tuple[int, int]:
         """(allocation index, offset) of a registered buffer; (-1, address) of a plain one at ``addr``."""
         return (self.reg.locate(arr) if self.reg.mine else None) or (-1, addr)
 
-    def _step(self, ex, sched, call, step, fn, views, ain: int, aout: int) -> None:
-        m, me = call.m, self.reg.rank
-        io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
-        oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
+    def _step(self, ex, call, step, fn, views, ain: int, aout: int, io: int, k: int, oo: int) -> None:
+        me = self.reg.rank
         out = call.out[oo:oo + k]
         if step.kind == "copy":
             size = call.inp.itemsize
@@ -147,9 +163,11 @@ class ReadEngine:
         got = views.get((q, which))
         if got is not None:
             return got
-        words = self.reg.peers[q, "ctl"].bytes.view(np.int64)
-        doing = f"waiting for {call.name} #{call.seq} to start so as to {verb} the registered buffer of"
-        self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(e, doing), ex, CALLS)
+        words = self.reg.peers[q, "ctl"].words
+        if words[CALLS] < self.calls:  # (the message is made only if it is needed)
+            self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(
+                e, f"waiting for {call.name} #{call.seq} to start so as to {verb} the registered buffer of"),
+                ex, CALLS)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
         arr = call.inp if which == "in" else call.out
@@ -194,6 +212,7 @@ class ReadEngine:
             self.syncs[p] += 1
             self.reg.publish(SYNC + p, self.syncs[p])
         for p in peers:
-            theirs, want = self.reg.peers[p, "ctl"].bytes.view(np.int64), self.syncs[p]
-            doing = f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"
-            self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(e, doing), ex, SYNC + me)
+            theirs, want = self.reg.peers[p, "ctl"].words, self.syncs[p]
+            if theirs[SYNC + me] < want:
+                self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(
+                    e, f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"), ex, SYNC + me)

@@ -108,10 +108,11 @@ class _Map:
             os.close(fd)
         self.path, self.size = path, size
         self.bytes = np.frombuffer(self.map, np.uint8)
+        self.words = self.bytes[:size - size % 8].view(np.int64)   # a control segment's words
         self.base = address(self.bytes)
 
     def close(self) -> None:
-        self.bytes = None
+        self.bytes = self.words = None
         try:
             self.map.close()
         except BufferError:  # the user still holds the array: it stays valid, privately
@@ -171,7 +172,7 @@ class Registry:
         mapped ours, then unlink our names: nothing is left to leak, and no rank can close (and
         unlink) before a slower peer has mapped its segment."""
         from ringcomm.transport import shm
-        self.ctl.bytes.view(np.int64)[MAPPED] = k + 1
+        self.ctl.words[MAPPED] = k + 1
 
         def explain(e):
             what = f"rank {self.rank} (this process) {{}} waiting for rank {e.peer} to map alloc #{k} over shm"
@@ -180,7 +181,7 @@ class Registry:
             return RingcommError(what.format("was aborted" if isinstance(e, Aborted) else f"failed ({e})"))
 
         for p in self._others():
-            theirs = self.peers[p, "ctl"].bytes.view(np.int64)
+            theirs = self.peers[p, "ctl"].words
             self.wait(p, lambda: theirs[MAPPED] >= k + 1, explain)
         for path in self.named:
             shm.unlink_tracked(path)
@@ -189,7 +190,7 @@ class Registry:
     def _ensure_ctl(self) -> None:
         if self.ctl is None:
             self.ctl = self._create(8 * (SYNC + self.n))
-            words = self.ctl.bytes.view(np.int64)
+            words = self.ctl.words
             words[0], words[PID] = MAGIC, os.getpid()
             self.named.append(self.ctl.path)
 
@@ -206,7 +207,7 @@ class Registry:
                 self.cma = False
             else:  # probed even where RINGCOMM_CMA=0: that rank's "no" must reach the others
                 self._ensure_ctl()
-                self.cma = plain_read.setup(self, self.ctl.bytes.view(np.int64), MAGIC)
+                self.cma = plain_read.setup(self, self.ctl.words, MAGIC)
                 from ringcomm.transport import shm
                 for path in self.named:  # every peer mapped the control segment before its verdict
                     shm.unlink_tracked(path)
@@ -282,7 +283,7 @@ class Registry:
         t0 = time.monotonic()
         if ex is not None:
             ex._waiting = (peer, "sync", 0, t0)
-        ctl = self.peers[peer, "ctl"].bytes.view(np.int64)
+        ctl = self.peers[peer, "ctl"].words
         backoff = Backoff(self.ctx.spins, None if word is None else self._sleeper(ctl, word, ready))
         deadline, patrol = t0 + self.timeout, t0 + PATROL_PERIOD
         while not ready():
@@ -323,13 +324,13 @@ class Registry:
     def publish(self, word: int, value: int) -> None:
         """Store ``value`` in this rank's control word ``word`` and wake a peer asleep on it: always
         (one syscall, no waiter flag), so no wake-up can be missed whatever the store order."""
-        self.ctl.bytes.view(np.int64)[word] = value
+        self.ctl.words[word] = value
         futex.wake(self.ctl.base + 8 * word)
 
     def leave(self) -> None:
         """Tell the peers this rank takes no more part (a failure or abort): their waits on it end."""
         if self.ctl is not None and self.ctl.bytes is not None:
-            self.ctl.bytes.view(np.int64)[CLOSED] = 1
+            self.ctl.words[CLOSED] = 1
 
     def close(self) -> None:
         """Stop sharing: peers' mappings are dropped, this rank's names unlinked (its arrays stay valid)."""
