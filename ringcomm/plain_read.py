@@ -43,6 +43,12 @@ COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight i
 CMA_MIN_BYTES = {"broadcast": 2 << 20, "all_gather": 4 << 20}
 
 
+# The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the
+# known-call cache's size would pay every time); not this process's affinity: every rank must
+# reach the same answer.
+CORES = max(1, os.cpu_count() or 1)
+
+
 def enabled() -> bool:
     """RINGCOMM_CMA: 1 (default) probes and uses CMA where it beats the FIFOs, 0 never does."""
     raw = os.environ.get("RINGCOMM_CMA", "1").strip().lower()
@@ -64,8 +70,7 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     given = env_number("RINGCOMM_CMA_MIN", None, int)
     if given is not None:
         return nbytes >= given
-    # the host's core count, not this process's affinity: every rank must reach the same answer
-    per_core = -(-ranks // max(1, os.cpu_count() or 1))
+    per_core = -(-ranks // CORES)
     return nbytes >= CMA_MIN_BYTES[collective] * max(1, per_core)
 
 

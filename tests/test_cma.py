@@ -91,7 +91,7 @@ def test_probe_says_why_a_target_is_not_permitted():
 def test_the_crossover_grows_with_ranks_per_core(monkeypatch):
     from ringcomm import plain_read
     monkeypatch.delenv("RINGCOMM_CMA_MIN", raising=False)
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(plain_read, "CORES", 2)
     mib = 1 << 20
     assert plain_read.wanted("broadcast", 2 * mib, 2) and not plain_read.wanted("broadcast", 2 * mib - 1, 2)
     assert not plain_read.wanted("broadcast", 2 * mib, 3) and plain_read.wanted("broadcast", 4 * mib, 4)
