@@ -322,7 +322,7 @@ class Communicator:
         registered buffers or CMA, which a later call on the same arrays may decide otherwise."""
         reg = self._registry
         if reg is None or (algo != READ and not reg.holds(x, y)):
-            self._known.remember(buf, out, args, op, algo, sched, x.nbytes)
+            self._known.remember(buf, out, args, op, algo, sched)
 
     def _start(self, collective, algo, sched, x, y, m, op, root, blocks=None):
         """A checked call, with its algorithm and schedule chosen: number it and run it."""
