@@ -157,3 +157,17 @@ def test_cost_and_viz_count_the_writes():
     fr = frames("broadcast", "read", 2, 0)
     arrows = [(a, b, chunks) for f in fr for a, b, chunks, _ in f["msgs"]]
     assert (0, 1, [0, 1]) in arrows or {(0, 1)} <= {(a, b) for a, b, _ in arrows}
+
+
+def test_a_synced_write_over_an_input_read_later_names_the_writer():
+    # in place, rank 0 writes block 1 of rank 1's output, which lies over rank 1's input; after
+    # their sync rank 1 copies that input: ordered, so no race, but it reads rank 0's data
+    def steps(r):
+        if r == 0:
+            return [copy(0), write_copy(1, 1), sync(1), read_copy(1, 1), sync(1)]
+        return [sync(0), copy(1), read_copy(0, 0), sync(0)]
+    with pytest.raises(ScheduleError) as e:
+        check("all_gather", _gather(2, steps))
+    assert F.RACE not in e.value.kinds, e.value
+    raw = [f for f in e.value.failures if f.kind == F.READ_AFTER_WRITE]
+    assert any("after rank 0's step 1 write_copy(1, writes=[1]) wrote" in f.detail for f in raw), e.value

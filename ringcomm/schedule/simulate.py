@@ -166,7 +166,8 @@ class _Sim:
         self._seen: set = set()          # (kind, rank, step): each fault reported once, not per slice
         self.writers: dict = {}          # (round, rank, output cell) -> step index
         # In place: output cell -> the input chunk name in the same memory, per rank; and the
-        # input slices overwritten with a new value: (round, rank, name, slice) -> (step, value)
+        # input slices overwritten with a new value: (round, rank, name, slice) -> (the writing
+        # rank's step, in words; value)
         self.alias = [aliases(s) if in_place else {} for s in schedules]
         self.overwritten: dict = {}
         # Only schedules that write into peers' buffers keep a log of every access, for the race
@@ -285,7 +286,7 @@ class _Sim:
         if hit is not None:
             wrote, v = hit
             self._fault(READ_AFTER_WRITE, st, f"rank {me} step {st.index} {step} reads its input chunk "
-                        f"{name} after step {wrote} {st.sched.steps[wrote]} wrote {v} into the same "
+                        f"{name} after {wrote} wrote {v} into the same "
                         f"memory: in place it would use that instead of x{me}[{name}]", IN_PLACE)
         return Sym.leaf(me, name)  # the out-of-place value; the in-place one is refused above
 
@@ -298,16 +299,18 @@ class _Sim:
     def store(self, st: _Rank, owner: int, cell: int, value: Sym) -> None:
         """Rank ``owner``'s output cell gets ``value`` from st's current step (st is the owner, or a
         peer writing into its buffer); in place, the input chunk under it changes with it."""
-        me = owner
-        self.outputs[st.round][me][cell] = value
-        self.writers[st.round, me, cell] = st.index
-        name = self.alias[me].get(cell)
+        writer = st.sched.rank
+        self.outputs[st.round][owner][cell] = value
+        # the owner's step that wrote it (None: a peer's write_copy, a step of another schedule)
+        self.writers[st.round, owner, cell] = st.index if writer == owner else None
+        name = self.alias[owner].get(cell)
         if name is not None:
-            key = (st.round, me, name, st.slice)
-            if value == Sym.leaf(me, name):
+            key = (st.round, owner, name, st.slice)
+            if value == Sym.leaf(owner, name):
                 self.overwritten.pop(key, None)  # its own input written back: nothing changes
             else:
-                self.overwritten[key] = (st.index, value)
+                by = f"step {st.index} {st.sched.steps[st.index]}"
+                self.overwritten[key] = (by if writer == owner else f"rank {writer}'s {by}", value)
 
     def _combine(self, st: _Rank, a: Sym, b: Sym) -> Sym:
         dup = sorted(set(a.terms) & set(b.terms))

@@ -157,9 +157,10 @@ def _outputs(collective, res, rd, schedules, root, form) -> list[Failure]:
             v = cells[c]
             if c not in expected and v is not None and v != Sym.leaf(r, name):
                 step = res.writers.get((rd, r, c))
-                out.append(Failure(CLOBBER, r, step, c, f"{collective} round {rd}: rank {r} step {step} "
-                                   f"writes {v} over its input x{r}[{name}], which {collective} leaves "
-                                   f"alone on rank {r}", form))
+                who = f"rank {r} step {step}" if step is not None else "a peer's write_copy"
+                out.append(Failure(CLOBBER, r, step, c, f"{collective} round {rd}: {who} "
+                                   f"writes {v} over rank {r}'s input x{r}[{name}], which {collective} "
+                                   f"leaves alone on rank {r}", form))
         for c, terms in expected.items():
             v = cells[c]
             if v is None and c in alias:
