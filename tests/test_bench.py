@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from ringcomm.bench import jobs, report, spec, verify, worker
+from ringcomm.bench import jobs, placement, report, spec, verify, worker
 from ringcomm.bench.cli import parse_args
 from ringcomm.kernels import host
 
@@ -268,6 +269,21 @@ def test_real_run_prints_the_table_and_one_line_for_a_missing_peer():
     assert "# Out of bounds values : 0 OK" in out.splitlines()
     assert any(l.startswith("# Avg bus bandwidth    : ") for l in out.splitlines())
     assert "#  ringcomm engine: python" in out.splitlines()
+    if placement.cpu_pair() is not None:  # the round trip before and after the one sweep that ran
+        line = next(l for l in out.splitlines() if l.startswith("# Placement: "))
+        before, after = re.fullmatch(r".*: ringcomm (\d+) / (\d+)", line).groups()
+        assert 0 < int(before) < 100000 and 0 < int(after) < 100000, line
+
+
+def test_round_trip_between_two_cpus_is_measured_or_says_why_not(monkeypatch):
+    if placement.cpu_pair() is None:
+        assert placement.round_trip_ns() is None   # one usable CPU: nothing to measure
+        return
+    first = placement.round_trip_ns(rounds=200, repeat=1)   # short: the suite's other worker may share a CPU
+    assert first is not None and 1 < first < 100000, first
+    assert os.sched_getaffinity(0) >= set(placement.cpu_pair())  # the caller's own CPUs are untouched
+    monkeypatch.setattr(placement, "cpu_pair", lambda: None)
+    assert placement.round_trip_ns() is None
 
 
 @pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ import secrets
 import signal
 import sys
 
-from . import machine, report, reproducible, spec
+from . import machine, placement, report, reproducible, spec
 from .jobs import Job, JobFailed, PeerUnsupported, missing_reason
 
 PEERS = ("gloo", "mpi", "nccl")
@@ -107,6 +107,7 @@ def run_job(backend, a, algos, progress):
            "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
            "registered": a.registered and backend == "ringcomm",
            "engine": a.engine, "reproducible": a.reproducible}
+    before = placement.round_trip_ns()
     job = Job(backend, a.ranks, cfg)
     facts, pending, rows, ok = {}, {}, {}, False
     try:
@@ -131,7 +132,7 @@ def run_job(backend, a, algos, progress):
         ok = True
     finally:
         job.close(wait_s=30.0 if ok else 0.0)
-    return {"facts": facts, "pids": job.pids, "rows": rows}
+    return {"facts": facts, "pids": job.pids, "rows": rows, "round_trip_ns": [before, placement.round_trip_ns()]}
 
 
 def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
@@ -150,6 +151,11 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
         facts["cores"], facts["cores_usable"], facts["python"], facts["numpy"],
         "n/a" if facts["loadavg_at_start"] is None else "%.2f" % facts["loadavg_at_start"][0]))
     lines.append("# memcpy (one core, 64 MiB, measured in this run): %.2f GB/s" % memcpy)
+    trips = [("ringcomm" if name is None else name, run.get("round_trip_ns") or [None, None])
+             for name, run in [(None, mine), *peers.items()]]
+    if any(t is not None for _, pair in trips for t in pair):
+        lines.append("# Placement: a cache line's round trip between 2 CPUs before / after each sweep (ns; a "
+                     "VM's vCPUs move): " + ", ".join(f"{n} {_ns(b)} / {_ns(e)}" for n, (b, e) in trips))
     if a.registered:
         lines.append("# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); "
                      "peers' plain numpy")
@@ -228,6 +234,10 @@ def _main(a, argv) -> int:
     if a.plot:
         _plot(a, mine, peers, memcpy)
     return 1 if report.out_of_bounds(rows) or report.out_of_bounds(peer_rows) else 0
+
+
+def _ns(value) -> str:
+    return "n/a" if value is None else "%.0f" % value
 
 
 def _load(avg) -> str:
