@@ -35,8 +35,8 @@ from . import native_sync
 F_RECVS, F_REDUCES, F_COPIES, F_FINAL = 1, 2, 4, 8
 FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source rows, then ndst dest rows
 # The control block: what the call passes in, and (NEXT, STATUS, CONN) what the loop hands back.
-NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC = range(12)
-CTL_SIZE = 12
+NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC, STORES, EXPLORE = range(14)
+CTL_SIZE = 14
 DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE, WAKE = range(6)
 SPIN_ROUND_S = 200e-6
 # The first poll of a wait is shorter: then Python asks whether the peer waits for this very CPU
@@ -45,11 +45,23 @@ SPIN_ROUND_S = 200e-6
 # and a sched_yield, which hands the core to the peer at once; 200 us rounds cost each hand-off
 # 200 us (measured, 2 ranks stacked: broadcast 2.3 GB/s at any size, one 64 KiB slice per ~28 us).
 FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
-# Connection table columns: the segment's header words, its first slot, this end's counter.
-WORDS, SLOTS, COUNT = range(3)
-# From this many bytes a copy into a slot streams (non-temporal stores, see _to_slot); below it a
-# slice is a few lines whose ordinary stores cost less than the fence that streaming needs.
+# Connection table columns: the segment's header words, its first slot, this end's counter; then,
+# for a send end (see _to_slot): what its slot copies cost with streaming and with ordinary stores
+# (cycles per KiB, running averages; 0: not measured yet), the way it stores now (PLAIN: 1 for
+# ordinary stores), when it last tried the other way (cycle counter) and the slices left in that
+# trial.
+WORDS, SLOTS, COUNT, STREAM_COST, PLAIN_COST, PLAIN, TRIED, TRIAL = range(8)
+CONN_COLUMNS = 8
+# From this many bytes a copy into a slot may stream (non-temporal stores, see _to_slot); below it
+# a slice is a few lines whose ordinary stores cost less than the fence that streaming needs.
 STREAM_MIN = 4096
+# How a send end stores into its slots (RINGCOMM_SLOT_STORES): measured and chosen per connection
+# (auto), or always one way.
+STORES_AUTO, STORES_STREAM, STORES_PLAIN = range(3)
+STORE_MODES = {"auto": STORES_AUTO, "stream": STORES_STREAM, "plain": STORES_PLAIN}
+EXPLORE_S = 0.1    # auto: the way not taken is tried again after this long ...
+TRIAL_MEASURED = 4  # ... for a round of the slots (their lines settle where that way puts them), then this many slices
+PLAIN_FACTOR = 1.5  # auto: ordinary stores unless they cost the sender this many times streaming
 
 
 def _wait_above(addr, floor, spin):
@@ -158,7 +170,8 @@ def _move(row, conns, ctl, inp, out):
             _copy(out[oo:oo + k], value)
         first = 0
     for j in range(first, ndst):
-        _to_slot(_slot(conns, row[PEERS + maxsrc + j], nslots, slot_bytes, inp, k), value)
+        c = row[PEERS + maxsrc + j]
+        _to_slot(conns, c, ctl, _slot(conns, c, nslots, slot_bytes, inp, k), value)
 
 
 def _stop(ctl, i, status, c):
@@ -171,18 +184,57 @@ def _copy(dst, src):
         dst[i] = src[i]
 
 
-def _to_slot(dst, src):
-    """dst (a slot, 64-byte aligned) = src, with non-temporal stores from STREAM_MIN bytes.
+def _to_slot(conns, c, ctl, dst, src):
+    """dst (a slot of send connection row c) = src, streamed or with ordinary stores.
 
-    Why: an ordinary store must first own its line, and the peer read this slot's lines the
-    last time round (they sit in its cache), so every line costs a cross-core round trip. On
-    this machine's VM that held the FIFO at ~2 GB/s whatever the slice size (8 KiB-512 KiB);
-    streaming stores skip the fetch: 64 KiB slices 1.8 -> 12.8 GB/s (docs/06, "Where a
-    broadcast's time went"). The caller fences before it publishes the slot."""
+    Which is faster depends on where the machine put the two cores, and a VM moves them every few
+    seconds (bench/placement.py). An ordinary store must first own its line, and the peer read
+    this slot's lines the last time round. Where the cores are far apart (this VM: a cache line's
+    round trip ~340 ns) every line is a slow trip and streaming stores, which skip the fetch, win
+    5-8x (2-rank 1 MiB broadcast 51-56 us against 428-432). Where they are near (~90 ns),
+    ordinary stores win 1.7x (33-35 us against 56-60): the line comes from the shared cache, and
+    the peer then reads the slice from there, not from memory. The sender's own copy tells the
+    two apart: ordinary stores cost it ~70 cycles per KiB near and ~900 far, streaming ~90-180
+    either way. So each send end keeps a running average of both (cycles per KiB), stores the
+    cheaper way (ordinary ones unless they cost PLAIN_FACTOR times more), and every EXPLORE_S
+    tries the other way for a round of the slots plus TRIAL_MEASURED slices: only those last ones
+    count, since the first copy after the other way finds the lines where that way left them
+    (after streaming, in memory: 235-7000 cycles per KiB near). The caller fences before it
+    publishes the slot either way (streaming stores are not kept in order by x86's TSO)."""
     nbytes = dst.size * dst.itemsize
-    if nbytes < STREAM_MIN:
+    mode = ctl[STORES]
+    if nbytes < STREAM_MIN or mode == STORES_PLAIN:
         _copy(dst, src)
         return
+    if mode == STORES_STREAM:
+        _stream(dst, src)
+        return
+    t0 = native_sync.cycles()
+    plain = conns[c, PLAIN] != 0
+    trial = conns[c, TRIAL]
+    if trial > 0:
+        plain = not plain                         # trying the other way
+        conns[c, TRIAL] = trial - 1
+    if plain:
+        _copy(dst, src)
+    else:
+        _stream(dst, src)
+    cost = (native_sync.cycles() - t0) * 1024 // nbytes + 1
+    if trial == 0 or trial <= TRIAL_MEASURED:     # settled lines: the sample counts
+        col = PLAIN_COST if plain else STREAM_COST
+        conns[c, col] = cost if conns[c, col] == 0 else (3 * conns[c, col] + cost) // 4
+    if trial == 1 or (trial == 0 and conns[c, STREAM_COST] and conns[c, PLAIN_COST]):
+        conns[c, PLAIN] = conns[c, PLAIN_COST] < PLAIN_FACTOR * conns[c, STREAM_COST]
+    if trial == 0 and (t0 - conns[c, TRIED] > ctl[EXPLORE]
+                       or conns[c, STREAM_COST] == 0 or conns[c, PLAIN_COST] == 0):
+        conns[c, TRIED] = t0                      # time (or first time) to try the other way
+        conns[c, TRIAL] = ctl[NSLOTS] + TRIAL_MEASURED
+
+
+def _stream(dst, src):
+    """dst (a slot, 64-byte aligned) = src with non-temporal stores: whole 8-byte words, then the
+    last bytes of a 1- or 2-byte type plainly."""
+    nbytes = dst.size * dst.itemsize
     d, s, words = dst.ctypes.data, src.ctypes.data, nbytes // 8
     for i in range(words):
         native_sync.store_stream(d + 8 * i, native_sync.load_word(s + 8 * i))
@@ -193,6 +245,15 @@ def _to_slot(dst, src):
 numba_carray = native_reduce = native_avg = None
 _kernel = None
 _lock = threading.Lock()
+
+
+def slot_stores() -> int:
+    """RINGCOMM_SLOT_STORES: "auto" (the default: each send end measures both ways and takes the
+    cheaper, see _to_slot), "stream" (non-temporal stores) or "plain" (ordinary stores)."""
+    raw = os.environ.get("RINGCOMM_SLOT_STORES", "").strip().lower() or "auto"
+    if raw not in STORE_MODES:
+        raise ValueError(f"RINGCOMM_SLOT_STORES={raw!r}: use auto (the default), stream or plain")
+    return STORE_MODES[raw]
 
 
 def kernel():
@@ -207,7 +268,7 @@ def kernel():
             native_reduce, native_avg = native_kernels.compiled()
             jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
             g = globals()
-            for name in ("_wait_above", "_slot", "_stop", "_copy", "_to_slot", "_move", "_peer_sleeps"):
+            for name in ("_wait_above", "_slot", "_stop", "_copy", "_stream", "_to_slot", "_move", "_peer_sleeps"):
                 g[name] = jit(g[name])
             _drop_stale_cache()
             _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
@@ -254,7 +315,7 @@ class NativeEngine:
 
     def __init__(self, executor, spin_s: float, budget_s: float):
         self.x = executor
-        self.conns = np.zeros((8, 3), np.int64)
+        self.conns = np.zeros((8, CONN_COLUMNS), np.int64)
         self.objs: list = []          # row -> connection
         self.rows: dict = {}          # id(connection) -> row
         self.owned = False            # COUNT is ahead of the connections' attributes
@@ -274,6 +335,7 @@ class NativeEngine:
         self.spin = int(min(spin_s, SPIN_ROUND_S) * hz)
         self.rounds = int(spin_s / SPIN_ROUND_S)
         self.first, self.short = int(min(spin_s, FIRST_ROUND_S) * hz), int(min(spin_s, STACKED_ROUND_S) * hz)
+        self.stores, self.explore = slot_stores(), int(EXPLORE_S * hz)
         self.kernel = kernel()
 
     def plan(self, entries) -> NativePlan | None:
@@ -324,7 +386,7 @@ class NativeEngine:
             x = self.x
             ctl = np.array((0, 0, -1, x.nslots, x.slot_bytes, native_kernels.OPCODES[op],
                             native_kernels.kind16(dtype), x.world_size, op == "avg", self.spin, self.budget,
-                            plan.maxsrc), np.int64)
+                            plan.maxsrc, self.stores, self.explore), np.int64)
         plan.ctls[(dtype, op)] = ctl
         return ctl
 
@@ -389,7 +451,8 @@ def warm(dtypes=None) -> None:
     engine takes: what a process pays before its first call on each dtype."""
     from ringcomm.kernels import host
     k = kernel()
-    empty_plan, conns, ctl = np.zeros((0, PEERS), np.int64), np.zeros((1, 3), np.int64), np.zeros(CTL_SIZE, np.int64)
+    empty_plan, conns = np.zeros((0, PEERS), np.int64), np.zeros((1, CONN_COLUMNS), np.int64)
+    ctl = np.zeros(CTL_SIZE, np.int64)
     for dt in dtypes or host.SUPPORTED_DTYPES:
         if native_kernels.supported(dt):
             a = np.zeros(1, native_kernels.storage(dt))

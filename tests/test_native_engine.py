@@ -138,11 +138,11 @@ def test_size_mismatch_has_the_reference_engines_message():
 
 @pytest.mark.parametrize("dtype", ["uint8", "float32"])   # a tail of single bytes; whole words
 def test_streamed_slot_copies_land_exactly(dtype):
-    """_to_slot streams whole 8-byte words past the caches from STREAM_MIN bytes and finishes a 1-
+    """_stream streams whole 8-byte words past the caches and finishes a 1-
     or 2-byte type's last bytes plainly: every byte arrives, from an unaligned source, and nothing
     past the slice is written."""
     from ringcomm import engine_native
-    engine_native.kernel()                         # jits the helpers, _to_slot among them
+    engine_native.kernel()                         # jits the helpers, _stream among them
     dt = np.dtype(dtype)
     rng = np.random.default_rng(3)
     for nbytes in (engine_native.STREAM_MIN - 8, engine_native.STREAM_MIN, 65536 + 6, 65536 + 8):
@@ -152,6 +152,49 @@ def test_streamed_slot_copies_land_exactly(dtype):
         dst = raw[start:start + k * dt.itemsize + 64].view(dt)
         src_raw = rng.integers(0, 256, k * dt.itemsize + 3, dtype=np.uint8)
         src = src_raw[3:].view(dt)                 # a source 3 bytes off any alignment
-        engine_native._to_slot(dst[:k], src)
+        engine_native._stream(dst[:k], src)
         assert dst[:k].tobytes() == src.tobytes(), (dtype, nbytes)
         assert not dst[k:].view(np.uint8).any(), (dtype, nbytes)   # the bytes after the slice
+
+
+def _big_cases_on_engines(comm):
+    """Slices of full slots (RINGCOMM_BUFFSIZE's default) on both engines, and what the send ends'
+    store choice measured (the adaptive mode must have timed both ways)."""
+    from cases import COUNTS, run_cases_on_engines
+    from ringcomm import engine_native as en
+    cases = [dict(collective=c, dtype=d, op="sum", count=COUNTS[-1], algo=None, root=i % comm.world_size,
+                  inplace=bool(i % 2), seed=i)
+             for i, (c, d) in enumerate((c, d) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+                                        for d in ("float32", "uint8"))]
+    for _ in range(3):  # long enough for the auto mode's trial of the other way to finish
+        errors = run_cases_on_engines(comm, cases)
+        if errors:
+            return errors, []
+    eng = comm._executor.native
+    costs = eng.conns[:len(eng.objs), [en.STREAM_COST, en.PLAIN_COST]].tolist()
+    return errors, costs
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stores", ["auto", "stream", "plain"])
+def test_slot_stores_every_way_give_the_reference_bits(stores):
+    env = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_CMA": "0", "RINGCOMM_SLOT_STORES": stores}
+    with World(3, env, timeout=120) as w:
+        results = w.run(_big_cases_on_engines, timeout=280)
+    for errors, costs in results:
+        assert errors == [], "\n".join(errors)
+        measured = [c for c in costs if any(c)]   # the send ends (receive ends never store)
+        if stores == "auto":
+            assert measured and all(s > 0 and p > 0 for s, p in measured), costs
+        else:
+            assert measured == [], costs           # a fixed way measures nothing
+
+
+def test_slot_stores_knob_is_checked(monkeypatch):
+    from ringcomm import engine_native as en
+    for name, mode in en.STORE_MODES.items():
+        monkeypatch.setenv("RINGCOMM_SLOT_STORES", name.upper())
+        assert en.slot_stores() == mode
+    monkeypatch.setenv("RINGCOMM_SLOT_STORES", "fast")
+    with pytest.raises(ValueError, match="RINGCOMM_SLOT_STORES='fast'"):
+        en.slot_stores()
