@@ -62,6 +62,7 @@ STORE_MODES = {"auto": STORES_AUTO, "stream": STORES_STREAM, "plain": STORES_PLA
 EXPLORE_S = 0.1    # auto: the way not taken is tried again after this long ...
 TRIAL_MEASURED = 4  # ... for a round of the slots (their lines settle where that way puts them), then this many slices
 PLAIN_FACTOR = 1.5  # auto: ordinary stores unless they cost the sender this many times streaming
+TRIAL_ABORT = 8     # auto: a trial stops at a first copy this many times dearer than the usual way
 
 
 def _wait_above(addr, floor, spin):
@@ -199,8 +200,10 @@ def _to_slot(conns, c, ctl, dst, src):
     cheaper way (ordinary ones unless they cost PLAIN_FACTOR times more), and every EXPLORE_S
     tries the other way for a round of the slots plus TRIAL_MEASURED slices: only those last ones
     count, since the first copy after the other way finds the lines where that way left them
-    (after streaming, in memory: 235-7000 cycles per KiB near). The caller fences before it
-    publishes the slot either way (streaming stores are not kept in order by x86's TSO)."""
+    (after streaming, in memory: 235-290 cycles per KiB near). A trial copy that costs
+    TRIAL_ABORT times the usual way ends the trial at once: far apart, a whole trial of ordinary
+    stores cost ~1.5 ms every 100 ms, and showed as a 4x slower 256 KiB row. The caller fences
+    before it publishes the slot either way (streaming stores are not kept in order by x86's TSO)."""
     nbytes = dst.size * dst.itemsize
     mode = ctl[STORES]
     if nbytes < STREAM_MIN or mode == STORES_PLAIN:
@@ -220,8 +223,13 @@ def _to_slot(conns, c, ctl, dst, src):
     else:
         _stream(dst, src)
     cost = (native_sync.cycles() - t0) * 1024 // nbytes + 1
-    if trial == 0 or trial <= TRIAL_MEASURED:     # settled lines: the sample counts
-        col = PLAIN_COST if plain else STREAM_COST
+    col = PLAIN_COST if plain else STREAM_COST
+    usual = conns[c, STREAM_COST if plain else PLAIN_COST]    # the way taken outside this trial
+    if trial > TRIAL_MEASURED and usual and cost > TRIAL_ABORT * usual:
+        conns[c, TRIAL] = 0                       # hopeless even unsettled (far apart): stop paying
+        if conns[c, col] == 0:
+            conns[c, col] = cost
+    elif trial == 0 or trial <= TRIAL_MEASURED:   # settled lines: the sample counts
         conns[c, col] = cost if conns[c, col] == 0 else (3 * conns[c, col] + cost) // 4
     if trial == 1 or (trial == 0 and conns[c, STREAM_COST] and conns[c, PLAIN_COST]):
         conns[c, PLAIN] = conns[c, PLAIN_COST] < PLAIN_FACTOR * conns[c, STREAM_COST]

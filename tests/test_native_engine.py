@@ -162,14 +162,10 @@ def _big_cases_on_engines(comm):
     store choice measured (the adaptive mode must have timed both ways)."""
     from cases import COUNTS, run_cases_on_engines
     from ringcomm import engine_native as en
-    cases = [dict(collective=c, dtype=d, op="sum", count=COUNTS[-1], algo=None, root=i % comm.world_size,
-                  inplace=bool(i % 2), seed=i)
-             for i, (c, d) in enumerate((c, d) for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
-                                        for d in ("float32", "uint8"))]
-    for _ in range(3):  # long enough for the auto mode's trial of the other way to finish
-        errors = run_cases_on_engines(comm, cases)
-        if errors:
-            return errors, []
+    cases = [dict(collective=c, dtype=("float32", "uint8")[i % 2], op="sum", count=COUNTS[-1], algo=None,
+                  root=i % comm.world_size, inplace=bool(i % 2), seed=i)
+             for i, c in enumerate(("all_reduce", "all_gather", "reduce_scatter", "broadcast"))]
+    errors = run_cases_on_engines(comm, cases)   # 4 MiB a case: 16 slices a send, a trial's worth
     eng = comm._executor.native
     costs = eng.conns[:len(eng.objs), [en.STREAM_COST, en.PLAIN_COST]].tolist()
     return errors, costs
@@ -179,7 +175,7 @@ def _big_cases_on_engines(comm):
 @pytest.mark.parametrize("stores", ["auto", "stream", "plain"])
 def test_slot_stores_every_way_give_the_reference_bits(stores):
     env = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_CMA": "0", "RINGCOMM_SLOT_STORES": stores}
-    with World(3, env, timeout=120) as w:
+    with World(2, env, timeout=120) as w:
         results = w.run(_big_cases_on_engines, timeout=280)
     for errors, costs in results:
         assert errors == [], "\n".join(errors)
