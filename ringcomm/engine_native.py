@@ -255,12 +255,20 @@ _kernel = None
 _lock = threading.Lock()
 
 
-def slot_stores() -> int:
-    """RINGCOMM_SLOT_STORES: "auto" (the default: each send end measures both ways and takes the
-    cheaper, see _to_slot), "stream" (non-temporal stores) or "plain" (ordinary stores)."""
-    raw = os.environ.get("RINGCOMM_SLOT_STORES", "").strip().lower() or "auto"
+def slot_stores(world_size: int) -> int:
+    """RINGCOMM_SLOT_STORES: "auto" (each send end measures both ways and takes the cheaper, see
+    _to_slot), "stream" (non-temporal stores) or "plain" (ordinary stores). Unset: auto, but
+    stream where this host's ranks outnumber the usable cores. Stacked ranks preempt each other
+    mid-copy, so a copy's time says more about the scheduler than about the stores; on 4 ranks on
+    2 cores neither way won consistently (5 alternating runs), and streaming is what was measured
+    there before."""
+    raw = os.environ.get("RINGCOMM_SLOT_STORES", "").strip().lower()
+    if not raw:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+        return STORES_STREAM if local > len(os.sched_getaffinity(0)) else STORES_AUTO
     if raw not in STORE_MODES:
-        raise ValueError(f"RINGCOMM_SLOT_STORES={raw!r}: use auto (the default), stream or plain")
+        raise ValueError(f"RINGCOMM_SLOT_STORES={raw!r}: use auto, stream or plain (unset: auto, or "
+                         f"stream with more ranks than cores)")
     return STORE_MODES[raw]
 
 
@@ -343,7 +351,7 @@ class NativeEngine:
         self.spin = int(min(spin_s, SPIN_ROUND_S) * hz)
         self.rounds = int(spin_s / SPIN_ROUND_S)
         self.first, self.short = int(min(spin_s, FIRST_ROUND_S) * hz), int(min(spin_s, STACKED_ROUND_S) * hz)
-        self.stores, self.explore = slot_stores(), int(EXPLORE_S * hz)
+        self.stores, self.explore = slot_stores(self.x.world_size), int(EXPLORE_S * hz)
         self.kernel = kernel()
 
     def plan(self, entries) -> NativePlan | None:

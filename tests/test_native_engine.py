@@ -3,6 +3,7 @@ that it stands aside where it does not apply. (The collective matrix, tests/test
 runs every shm case on both engines and compares their bits.)"""
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -190,7 +191,12 @@ def test_slot_stores_knob_is_checked(monkeypatch):
     from ringcomm import engine_native as en
     for name, mode in en.STORE_MODES.items():
         monkeypatch.setenv("RINGCOMM_SLOT_STORES", name.upper())
-        assert en.slot_stores() == mode
+        assert en.slot_stores(64) == mode           # as given, however many ranks
     monkeypatch.setenv("RINGCOMM_SLOT_STORES", "fast")
     with pytest.raises(ValueError, match="RINGCOMM_SLOT_STORES='fast'"):
-        en.slot_stores()
+        en.slot_stores(2)
+    monkeypatch.delenv("RINGCOMM_SLOT_STORES")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert en.slot_stores(cores) == en.STORES_AUTO
+    assert en.slot_stores(cores + 1) == en.STORES_STREAM   # more ranks than cores: the measured default
