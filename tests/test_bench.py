@@ -286,6 +286,13 @@ def test_round_trip_between_two_cpus_is_measured_or_says_why_not(monkeypatch):
     assert placement.round_trip_ns() is None
 
 
+def test_no_placement_leaves_the_line_out():
+    rc, out, err = _run_cli(["broadcast", "-n", "2", "-b", "1K", "-e", "1K", "--iters", "1", "--warmup", "0",
+                             "--no-progress", "--no-placement"])
+    assert rc == 0, err
+    assert not any(l.startswith("# Placement") for l in out.splitlines()), out
+
+
 @pytest.mark.timeout(120)
 def test_a_corrupted_result_is_counted_wrong_and_fails_the_run():
     rc, out, err = _run_cli(["reduce_scatter", "-n", "2", "-b", "2K", "-e", "8K", "-f", "4", "--iters", "1",

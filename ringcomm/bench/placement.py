@@ -35,7 +35,7 @@ def _kernel():
         from ringcomm import native_sync
         load_acquire, store_release = native_sync.intrinsics()[:2]
 
-        @numba.njit(nogil=True)
+        @numba.njit(nogil=True)   # not cached on disk: it inlines native_sync, whose edits the cache would miss
         def ping(addr, rounds, me, limit):
             """Thread ``me`` (0 or 1) waits for its turn's value, then hands the line on; False if
             the other thread did not answer within ``limit`` polls."""
