@@ -11,7 +11,7 @@ import time
 
 from ringcomm.transport.base import LinkContext
 
-from .env import env_number
+from .env import env_number, oversubscribed
 from .executor import Executor
 from .links import Links
 from .roster import Roster
@@ -40,8 +40,7 @@ def spins(world_size: int) -> int:
     raw = os.environ.get("RINGCOMM_SPINS")
     if raw:
         return int(env_number("RINGCOMM_SPINS", SPINS_ALONE, int))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    return 0 if local > len(os.sched_getaffinity(0)) else SPINS_ALONE
+    return 0 if oversubscribed(world_size) else SPINS_ALONE
 
 
 def engine() -> str:

@@ -30,6 +30,7 @@ from ringcomm.kernels import native as native_kernels
 from ringcomm.transport import shm
 
 from . import native_sync
+from .env import oversubscribed
 
 # A plan row: flags, offsets and the connection-table rows of the slice's peers.
 F_RECVS, F_REDUCES, F_COPIES, F_FINAL = 1, 2, 4, 8
@@ -48,8 +49,9 @@ FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
 # Connection table columns: the segment's header words, its first slot, this end's counter; then,
 # for a send end (see _to_slot): what its slot copies cost with streaming and with ordinary stores
 # (cycles per KiB, running averages; 0: not measured yet), the way it stores now (PLAIN: 1 for
-# ordinary stores), when it last tried the other way (cycle counter) and the slices left in that
-# trial.
+# ordinary stores; decided from the costs outside trials and held through one, while the trial's
+# samples move them), when it last tried the other way (cycle counter) and the slices left in
+# that trial.
 WORDS, SLOTS, COUNT, STREAM_COST, PLAIN_COST, PLAIN, TRIED, TRIAL = range(8)
 CONN_COLUMNS = 8
 # From this many bytes a copy into a slot may stream (non-temporal stores, see _to_slot); below it
@@ -264,8 +266,7 @@ def slot_stores(world_size: int) -> int:
     there before."""
     raw = os.environ.get("RINGCOMM_SLOT_STORES", "").strip().lower()
     if not raw:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-        return STORES_STREAM if local > len(os.sched_getaffinity(0)) else STORES_AUTO
+        return STORES_STREAM if oversubscribed(world_size) else STORES_AUTO
     if raw not in STORE_MODES:
         raise ValueError(f"RINGCOMM_SLOT_STORES={raw!r}: use auto, stream or plain (unset: auto, or "
                          f"stream with more ranks than cores)")

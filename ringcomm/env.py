@@ -16,3 +16,11 @@ def env_number(name, default, kind=float):
     if value <= 0:
         raise ValueError(f"{name}={raw!r} must be positive")
     return value
+
+
+def oversubscribed(world_size: int) -> bool:
+    """Whether this host's ranks (LOCAL_WORLD_SIZE, else ``world_size``) outnumber the cores this
+    process may use: then ranks share cores and preempt each other (assemble.spins,
+    engine_native.slot_stores)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    return local > len(os.sched_getaffinity(0))
