@@ -96,16 +96,15 @@ def test_a_write_over_an_input_the_owner_still_reads_races_in_place_only():
 
 
 def test_syncs_order_a_write_before_a_later_read():
-    # rank 0 writes its block into rank 1, then both sync; only after that does rank 2 read rank
-    # 1's output block 0 (rank 2 synced with rank 1 after rank 1 synced with rank 0): ordered.
+    # rank 0 writes its block into ranks 1 and 2, then syncs with both. Rank 2 touches nothing
+    # before its first sync: after it, it reads block 1 from rank 1's output and copies block 0
+    # from rank 0 over what rank 0 wrote there. Every access is ordered after the write.
     def steps(r):
         if r == 0:
             return [copy(0), write_copy(0, [1, 2]), read_copy(1, 1), read_copy(2, 2), sync([1, 2]), sync([1, 2])]
         if r == 1:
             return [copy(1), read_copy(2, 2), sync([0, 2]), sync([0, 2])]
         return [copy(2), sync([0, 1]), read_out_copy(1, 1), read_copy(0, 0), sync([0, 1])]
-    # rank 2 reads its block 1 from rank 1's output and overwrites block 0 (written by rank 0)
-    # only after the first sync with rank 0: both ordered by the syncs.
     check("all_gather", _gather(3, steps))
 
 
