@@ -27,12 +27,21 @@ def world(request):
     n, transport, fifo = request.param
     env = {"RINGCOMM_TRANSPORT": transport, **(SMALL_FIFO if fifo == "small" else DEFAULT_FIFO)}
     with World(n, env, timeout=60) as w:
+        w.transport = transport
         yield w
+
+
+# Over tcp every slice is a round trip through Python (the native engine drives shm links only):
+# with 1 KiB slots the 2^20 + 3 count is ~8000 slices a chunk, 5-9 s of a 4-8 rank world's time on
+# 2 cores. The large count still runs over tcp in the 2- and 3-rank worlds, and in every shm world;
+# the slicing it exercises is the executor's, the same whatever the transport.
+def big_cases(world) -> int:
+    return 0 if world.transport == "tcp" and world.n >= 4 else 1
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_matrix(world, seed):
-    cases = sample_cases(world.n, seed=1000 * seed + world.n, big=1)
+    cases = sample_cases(world.n, seed=1000 * seed + world.n, big=big_cases(world))
     failures = world.run(run_cases_on_engines, cases, timeout=240)
     assert failures == [[]] * world.n, "\n".join(f for per_rank in failures for f in per_rank)
 

@@ -37,6 +37,10 @@ SLOT = {"shm": 64 << 10, "tcp": 64 << 10, "ibverbs": 16 << 10, "cuda_ipc": 4 << 
 # post() would deadlock two ranks that both send first.
 BIG = {"shm": 1 << 20, "tcp": 8 << 20, "ibverbs": 1 << 20, "cuda_ipc": 64 << 10}
 PATIENCE = {"ibverbs": 10.0}  # emulated RDMA is slow: longer deadlines there
+# A wait that must run out does run out: its whole deadline passes. Long enough for several of the
+# ibverbs waiter's liveness probes (every 0.5 s), but not PATIENCE's 10x: the Soft-RoCE guest
+# spent 12 s in each such wait.
+EXPIRING = {"ibverbs": 2.5}
 
 
 def unavailable(kind: str) -> str | None:
@@ -62,6 +66,11 @@ def kind(request, monkeypatch):
 
 def soon(kind: str, seconds: float = 5.0) -> float:
     return time.monotonic() + PATIENCE.get(kind, 1.0) * seconds
+
+
+def expiring(kind: str, seconds: float) -> float:
+    """The deadline of a wait that must time out."""
+    return time.monotonic() + EXPIRING.get(kind, 1.0) * seconds
 
 
 def make_transport(kind: str, ctx: LinkContext):
@@ -162,7 +171,7 @@ def test_sender_runs_ahead_then_waits_for_a_free_slot(kind, links):
     posted = 0
     with pytest.raises(PeerTimeout, match="free slot") as e:
         for posted in range(10_000):  # nobody reads: the sender's slots (and any buffers on the way) fill
-            send(s01, pattern(0, posted, SLOT[kind]), soon(kind, 1.2))  # long enough for liveness probes
+            send(s01, pattern(0, posted, SLOT[kind]), expiring(kind, 1.2))  # long enough for liveness probes
     assert posted >= 4 and (e.value.peer, e.value.transport) == (1, kind)
     for i in range(posted):  # everything posted arrives, in order, intact
         np.testing.assert_array_equal(recv(r01, soon(kind)), pattern(0, i, SLOT[kind]))
@@ -211,11 +220,11 @@ def test_api_misuse_is_explained_and_held_slots_go_in_order(kind, links):
 def test_deadlines_give_peer_timeout_naming_both_ends(kind, links, transports):
     _, _, _, r01, _, _ = links
     with pytest.raises(PeerTimeout, match=f"from rank 0 over {kind}") as e:
-        r01.wait(soon(kind, 1.2))  # past a liveness check: a live, silent peer is a timeout, not PeerGone
+        r01.wait(expiring(kind, 1.2))  # past a liveness check: a live, silent peer is a timeout, not PeerGone
     assert (e.value.peer, e.value.transport) == (0, kind)
     lonely = transports(0, HashStore(), world_size=3, prefix="lonely")
     with pytest.raises(PeerTimeout, match="rank 2 to (publish|connect)") as e:
-        lonely.connect_recv(2, soon(kind, 0.2))  # rank 2 never shows up
+        lonely.connect_recv(2, expiring(kind, 0.2))  # rank 2 never shows up
     assert e.value.peer == 2
 
 
