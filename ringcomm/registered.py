@@ -41,10 +41,15 @@ from .read_engine import CLOSED, MAPPED, PID, SYNC, ReadEngine
 from .schedule.onecopy import ALGO
 
 MAGIC = 0x52434D5247310001  # "RCMRG1", layout version 1
-# Below this, automatic choice keeps the FIFO algorithms even on registered buffers: the read
-# steps cost more Python per call (2 ranks, this machine, median of 200: 8 B read 28 us, ring
-# 20 us; 16 KiB 33 / 28 us; 64 KiB 46 / 53 us; 1 MiB 191 / 457 us).
-READ_MIN_BYTES = 32 * 1024
+# Below this, automatic choice keeps the FIFO algorithms even on registered buffers: a read call
+# pays ~20-40 us before its first byte (Python, the descriptor, two syncs), where the compiled FIFO
+# loop streams small calls in a few. Measured 2026-12-01, 2 ranks, registered buffers, read against
+# ring out of place, two runs each (ringcomm-bench C -b 32K -e 8M --registered --algo read,ring):
+# all_reduce 256 KiB 57-99 / 33-48 us, 1 MiB 86-122 / 84-98 (a tie), 2 MiB 138-197 / 151-170,
+# 4 MiB 237-333 / 351-421; all_gather, reduce_scatter and broadcast tie from 512 KiB to 1 MiB too,
+# and read wins from 2 MiB (broadcast 4 MiB 102-109 / 170-434 us). It was 32 KiB while the FIFO
+# path cost a Python round trip per slice (1 MiB all_reduce by the ring then: 457 us).
+READ_MIN_BYTES = 1 << 20
 _serial = 0                  # segments this process has created
 
 
