@@ -7,15 +7,18 @@ result is exact, and that a corrupted result is counted as wrong and fails the r
 from __future__ import annotations
 
 import glob
+import importlib.util
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
-from ringcomm.bench import jobs, placement, report, spec, verify, worker
+from ringcomm.bench import alternate, jobs, placement, report, spec, verify, worker
 from ringcomm.bench.cli import parse_args
 from ringcomm.kernels import host
 
@@ -343,3 +346,53 @@ def test_copy_ceiling_prints_one_row_of_positive_rates_per_size():
     for row in rows:
         one, halves, each = (float(row.split()[i]) for i in (1, 2, 4))
         assert min(one, halves, each) > 0, row
+
+
+# ---- --alternate: every library's ranks at once, rows taking turns --------------------------------
+
+@pytest.mark.timeout(150)
+def test_alternate_runs_every_row_in_both_libraries_and_checks_out(tmp_path):
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: no gloo peer to take turns with")
+    js = tmp_path / "alt.json"
+    rc, out, err = _run_cli(["all_reduce", "-n", "2", "-b", "1K", "-e", "16K", "-f", "4", "--iters", "2",
+                             "--warmup", "1", "--check", "--peer", "gloo", "--alternate", "--no-progress",
+                             "--no-placement", "--json", str(js)])
+    assert rc == 0, err
+    assert "# Rows: alternating (every library's ranks started at once; each row ran in every library " \
+           "before the next)" in out
+    rows = _rows(out)
+    assert [int(r[0]) for r in rows] == [1024, 4096, 16384]
+    assert all(r[8] == "0" and r[12] == "0" for r in rows), out   # ringcomm's #wrong, both placements
+    doc = json.loads(js.read_text())
+    assert [r["size"] for r in doc["peers"]["gloo"]["rows"]["auto"]] == [1024, 4096, 16384]
+    assert report.out_of_bounds([r for rs in doc["peers"]["gloo"]["rows"].values() for r in rs]) == 0
+    assert doc["ringcomm"]["round_trip_ns_by_size"] == {"1024": None, "4096": None, "16384": None}
+
+
+def test_alternate_takes_one_algorithm():
+    with pytest.raises(SystemExit) as e:
+        parse_args(["all_reduce", "--alternate", "--algo", "ring,tree"])
+    assert e.value.code == 2
+
+
+def test_a_gate_lets_one_rank_through_per_byte_and_an_abandoned_gate_is_an_error():
+    gate = alternate.Gate(ranks=2)
+    cfg = {"gate": gate.path}
+    passed = []
+    readers = [threading.Thread(target=lambda: (worker.gate(cfg, rank=1), passed.append(1))) for _ in range(3)]
+    for t in readers:
+        t.start()
+    gate.open()                       # two bytes: two of the three readers pass
+    for t in readers:
+        t.join(0.5)
+    assert len(passed) == 2 and sum(t.is_alive() for t in readers) == 1
+    gate.open()
+    for t in readers:
+        t.join(5)
+    assert len(passed) == 3 and not any(t.is_alive() for t in readers)
+    worker.gate(cfg, rank=1)          # the second opening's other byte: it passes at once
+    gate.close()                      # the parent's end gone: a waiting rank must not wait forever
+    with pytest.raises(RuntimeError, match="closed the gate"):
+        worker.gate(cfg, rank=1)
+    os.close(worker._GATE.pop(gate.path))

@@ -2,10 +2,11 @@
 
     ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
                    --warmup W --check [--algo A] [--transport T] [--engine python|native] [--registered]
-                   [--json FILE] [--plot FILE.png] [--peer gloo|mpi|nccl]... [--reproducible]
+                   [--json FILE] [--plot FILE.png] [--peer gloo|mpi|nccl]... [--alternate] [--reproducible]
 
 It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one job after the
-other), and prints one table whose rows gain each peer's out-of-place time, busbw and the ratio
+other; with --alternate all at once, each row run by every library before the next: alternate.py),
+and prints one table whose rows gain each peer's out-of-place time, busbw and the ratio
 ringcomm / peer. Exit status 1 when any result was wrong (or ringcomm failed), 2 for bad arguments.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import secrets
 import signal
 import sys
 
-from . import machine, placement, report, reproducible, spec
+from . import alternate, machine, placement, report, reproducible, spec
 from .jobs import Job, JobFailed, PeerUnsupported, missing_reason
 
 PEERS = ("gloo", "mpi", "nccl")
@@ -60,6 +61,9 @@ def parse_args(argv):
     p.add_argument("--no-placement", action="store_true",
                    help="skip the placement line (a cache line's round trip between two CPUs, timed with "
                         "numba: ~0.5 s, far longer under an emulated CPU)")
+    p.add_argument("--alternate", action="store_true",
+                   help="start every library's ranks at once and run each row in every library before the "
+                        "next (a second or so apart, in the same vCPU placement); one ringcomm algorithm")
     p.add_argument("--reproducible", action="store_true",
                    help="time plain and reproducible=True calls alternately, print both and their ratio, "
                         "and check that the reproducible bits are identical across runs, ranks and algorithms")
@@ -79,6 +83,8 @@ def parse_args(argv):
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
     a.peer = list(dict.fromkeys(a.peer))
+    if a.alternate and (len(a.algos) > 1 or a.reproducible):
+        p.error("--alternate takes turns row by row with the peers: one ringcomm algorithm, no --reproducible")
     why = reproducible.check_args(a) if a.reproducible else None
     if why:
         p.error(why)
@@ -103,40 +109,58 @@ def _algos(coll: str, text, registered: bool = False):
     return [None if name == "auto" else name for name in names] or [None]
 
 
+def job_config(backend, a, algos) -> dict:
+    return {"collective": a.collective, "dtype": a.datatype, "op": a.op, "root": a.root, "sizes": a.sizes,
+            "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
+            "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
+            "registered": a.registered and backend == "ringcomm",
+            "engine": a.engine, "reproducible": a.reproducible}
+
+
+class Sweep:
+    """One backend's figures, gathered from its rank 0's events as they come."""
+
+    def __init__(self, backend, a, progress):
+        self.backend, self.a, self.progress = backend, a, progress
+        self.facts, self.pending, self.rows = {}, {}, {}
+
+    def take(self, ev) -> None:
+        a = self.a
+        if ev["event"] == "start":
+            self.facts = ev["facts"]
+        elif ev["event"] == "repro":
+            label = ev["algo"] or "auto"
+            self.progress.step(f"ringcomm {label} {ev['size']} B plain and reproducible")
+            self.progress.done += 1      # the sweep counts two calls per size
+            self.rows.setdefault(label, []).append(ev)
+        elif ev["event"] == "row":
+            label = ev["algo"] or "auto"
+            name = f"ringcomm {label}" if self.backend == "ringcomm" else self.backend
+            self.progress.step(f"{name} {ev['size']} B {'in' if ev['in_place'] else 'out-of'}-place")
+            key = (label, ev["index"])
+            self.pending.setdefault(key, {})["ip" if ev["in_place"] else "oop"] = ev
+            if len(self.pending[key]) == 2:
+                pair = self.pending.pop(key)
+                self.rows.setdefault(label, []).append(report.make_row(
+                    a.collective, a.ranks, a.datatype, a.op, a.root, pair["oop"], pair["ip"]))
+
+    def result(self, job, trips) -> dict:
+        return {"facts": self.facts, "pids": job.pids, "rows": self.rows, "round_trip_ns": trips}
+
+
 def run_job(backend, a, algos, progress):
     """One backend's sweep: {"facts", "pids", "rows": {algo label: [row, ...]}}; JobFailed on failure."""
-    cfg = {"collective": a.collective, "dtype": a.datatype, "op": a.op, "root": a.root, "sizes": a.sizes,
-           "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
-           "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
-           "registered": a.registered and backend == "ringcomm",
-           "engine": a.engine, "reproducible": a.reproducible}
     where = (lambda: None) if a.no_placement else placement.round_trip_ns
     before = where()
-    job = Job(backend, a.ranks, cfg)
-    facts, pending, rows, ok = {}, {}, {}, False
+    job = Job(backend, a.ranks, job_config(backend, a, algos))
+    sweep, ok = Sweep(backend, a, progress), False
     try:
         for ev in job.events():
-            if ev["event"] == "start":
-                facts = ev["facts"]
-            elif ev["event"] == "repro":
-                label = ev["algo"] or "auto"
-                progress.step(f"ringcomm {label} {ev['size']} B plain and reproducible")
-                progress.done += 1      # the sweep counts two calls per size
-                rows.setdefault(label, []).append(ev)
-            elif ev["event"] == "row":
-                label = ev["algo"] or "auto"
-                name = f"ringcomm {label}" if backend == "ringcomm" else backend
-                progress.step(f"{name} {ev['size']} B {'in' if ev['in_place'] else 'out-of'}-place")
-                key = (label, ev["index"])
-                pending.setdefault(key, {})["ip" if ev["in_place"] else "oop"] = ev
-                if len(pending[key]) == 2:
-                    pair = pending.pop(key)
-                    rows.setdefault(label, []).append(report.make_row(
-                        a.collective, a.ranks, a.datatype, a.op, a.root, pair["oop"], pair["ip"]))
+            sweep.take(ev)
         ok = True
     finally:
         job.close(wait_s=30.0 if ok else 0.0)
-    return {"facts": facts, "pids": job.pids, "rows": rows, "round_trip_ns": [before, where()]}
+    return sweep.result(job, [before, where()])
 
 
 def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
@@ -160,6 +184,9 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
     if any(t is not None for _, pair in trips for t in pair):
         lines.append("# Placement: a cache line's round trip between 2 CPUs before / after each sweep (ns; a "
                      "VM's vCPUs move): " + ", ".join(f"{n} {_ns(b)} / {_ns(e)}" for n, (b, e) in trips))
+    if a.alternate:
+        lines.append("# Rows: alternating (every library's ranks started at once; each row ran in every "
+                     "library before the next)")
     if a.registered:
         lines.append("# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); "
                      "peers' plain numpy")
@@ -205,17 +232,34 @@ def _main(a, argv) -> int:
     progress = machine.Progress(len(a.sizes) * 2 * (len(a.algos) + len(a.peer)), enabled=not a.no_progress)
     memcpy = machine.memcpy_gbps()
     try:
-        mine = run_job("ringcomm", a, a.algos, progress)
+        if a.alternate:
+            mine, peers, skipped = _alternating(a, progress)
+        else:
+            mine = run_job("ringcomm", a, a.algos, progress)
     except JobFailed as e:
         progress.close()
         print(f"ringcomm-bench: error: ringcomm's sweep failed: {e}", file=sys.stderr)
         return 1
-    progress.note(f"ringcomm-bench: ringcomm done ({a.collective}, {a.ranks} ranks)")
-    if a.reproducible:
-        progress.close()
-        lines, ok = reproducible.table(a, mine["rows"], (_load(facts["loadavg_at_start"]), _load(os.getloadavg())))
-        print("\n".join(lines), flush=True)
-        return 0 if ok else 1
+    if not a.alternate:
+        progress.note(f"ringcomm-bench: ringcomm done ({a.collective}, {a.ranks} ranks)")
+        if a.reproducible:
+            progress.close()
+            lines, ok = reproducible.table(a, mine["rows"], (_load(facts["loadavg_at_start"]), _load(os.getloadavg())))
+            print("\n".join(lines), flush=True)
+            return 0 if ok else 1
+        peers, skipped = _one_after_another(a, progress)
+    progress.close()
+    print("\n".join(_table(a, mine, peers, skipped, memcpy, facts)), flush=True)
+    rows = [r for rs in mine["rows"].values() for r in rs]
+    peer_rows = [r for run in peers.values() for rs in run["rows"].values() for r in rs]
+    if a.json:
+        _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows)
+    if a.plot:
+        _plot(a, mine, peers, memcpy)
+    return 1 if report.out_of_bounds(rows) or report.out_of_bounds(peer_rows) else 0
+
+
+def _one_after_another(a, progress):
     peers, skipped = {}, {}
     for peer in a.peer:
         why = missing_reason(peer)
@@ -229,15 +273,20 @@ def _main(a, argv) -> int:
         skipped[peer] = why
         progress.done += 2 * len(a.sizes)
         progress.note(f"ringcomm-bench: peer {peer} skipped: {why}", always=True)
-    progress.close()
-    print("\n".join(_table(a, mine, peers, skipped, memcpy, facts)), flush=True)
-    rows = [r for rs in mine["rows"].values() for r in rs]
-    peer_rows = [r for run in peers.values() for rs in run["rows"].values() for r in rs]
-    if a.json:
-        _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows)
-    if a.plot:
-        _plot(a, mine, peers, memcpy)
-    return 1 if report.out_of_bounds(rows) or report.out_of_bounds(peer_rows) else 0
+    return peers, skipped
+
+
+def _alternating(a, progress):
+    skipped = {peer: why for peer in a.peer if (why := missing_reason(peer)) is not None}
+    for peer, why in skipped.items():
+        progress.done += 2 * len(a.sizes)
+        progress.note(f"ringcomm-bench: peer {peer} skipped: {why}", always=True)
+    backends = ["ringcomm"] + [peer for peer in a.peer if peer not in skipped]
+    results = alternate.run(a, backends, lambda name: Sweep(name, a, progress),
+                            lambda name: job_config(name, a, a.algos if name == "ringcomm" else [None]),
+                            progress, skipped)
+    mine = results.pop("ringcomm")
+    return mine, results, skipped
 
 
 def _ns(value) -> str:

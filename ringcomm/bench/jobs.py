@@ -118,8 +118,16 @@ class Job:
         self.lines.put(None)
 
     def events(self):
-        """Rank 0's events until `done`; JobFailed (one line) on an error, a death or a silence
-        longer than the timeout (which restarts at every event)."""
+        """Rank 0's events until `done` (see next_event)."""
+        while True:
+            ev = self.next_event()
+            yield ev
+            if ev["event"] == "done":
+                return
+
+    def next_event(self) -> dict:
+        """Rank 0's next event; JobFailed (one line) on an error, a death or a silence longer than
+        the timeout (counted from this call)."""
         deadline, failed_at = time.monotonic() + self.timeout, None
         while True:
             try:
@@ -130,15 +138,11 @@ class Job:
             if ev is None:
                 raise JobFailed(self._explain("its rank 0 stopped without finishing the sweep"))
             if isinstance(ev, dict):
-                deadline = now + self.timeout
                 if ev["event"] == "unsupported":
                     raise PeerUnsupported(ev["message"])
                 if ev["event"] == "error":
                     raise JobFailed(ev["message"])
-                yield ev
-                if ev["event"] == "done":
-                    return
-                continue
+                return ev
             dead = [p for p in self.procs if p.poll() not in (None, 0)]
             if dead and failed_at is None:
                 failed_at = now

@@ -7,6 +7,11 @@ on stdout, one `RCBENCH {json}` line per event (start, row, unsupported, error, 
 ranks print nothing there. Rows carry raw figures (every rank's mean time, every rank's #wrong);
 the parent turns them into algbw / busbw.
 
+With --alternate the parent runs every library's job at once and lets one row run at a time, rows
+taking turns: before each row every rank reads one byte from the job's gate (a named pipe; gate()),
+so a job that waits holds no CPU, and the libraries' figures for one size are taken a second or so
+apart, in the same placement (a VM moves its vCPUs every few seconds: bench/placement.py).
+
 A row follows nccl-tests' BenchTime: `warmup` calls, a barrier, `iters` timed calls (each rank's mean),
 then, with check on, fresh inputs, a poisoned output, one more call and a count of wrong elements.
 """
@@ -32,6 +37,25 @@ CORRUPT_ENV = "RINGCOMM_BENCH_CORRUPT"
 def emit(event: dict) -> None:
     sys.stdout.write(PREFIX + json.dumps(event) + "\n")
     sys.stdout.flush()
+
+
+def gate(cfg, rank: int) -> None:
+    """With --alternate: block until the parent lets this job run its next row (one byte for each
+    rank). Rank 0 first says it is there (the parent times the placement only while every job
+    waits). The pipe is opened once; the parent holds a writer, so an end of file means it is gone."""
+    path = cfg.get("gate")
+    if not path:
+        return
+    if rank == 0:
+        emit({"event": "gate"})
+    fd = _GATE.get(path)
+    if fd is None:
+        fd = _GATE[path] = os.open(path, os.O_RDONLY)
+    if os.read(fd, 1) != b"g":
+        raise RuntimeError(f"ringcomm-bench's parent closed the gate {path}: it stopped")
+
+
+_GATE: dict = {}
 
 
 def views(coll, in_place, rank, n, root, send_buf, recv_buf, count, recv_n, send_n):
@@ -110,8 +134,14 @@ def measure(be, cfg, tables, bufs, coll, size, in_place) -> dict:
     fill_input(inp, tables)
     be.upload(inp)
     fn, result = be.call(coll, inp, out, op, root, in_place)
+    warming, t0 = cfg.get("warm_s", 0.0), time.perf_counter()
     for _ in range(cfg["warmup"]):
         fn()
+    # After a wait at the gate (--alternate) the cores have idled, and a VM's idle vCPUs are halted:
+    # warm up for warm_s seconds at least (every rank takes the slowest rank's time, so all agree).
+    while warming and be.gather_f64([time.perf_counter() - t0]).max() < warming:
+        for _ in range(max(1, cfg["warmup"])):
+            fn()
     be.sync()
     be.barrier()
     t0 = time.perf_counter()
@@ -162,6 +192,7 @@ def run(be, cfg) -> None:
                     emit({**row, "algo": algo, "index": i})
                 continue
             for in_place in (False, True):
+                gate(cfg, be.rank)
                 row = measure(be, cfg, tables, bufs, coll, size, in_place)
                 if be.rank == 0:
                     emit({"event": "row", "algo": algo, "index": i, **row})
