@@ -50,10 +50,10 @@ FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
 # for a send end (see _to_slot): what its slot copies cost with streaming and with ordinary stores
 # (cycles per KiB, running averages; 0: not measured yet), the way it stores now (PLAIN: 1 for
 # ordinary stores; decided from the costs outside trials and held through one, while the trial's
-# samples move them), when it last tried the other way (cycle counter) and the slices left in
-# that trial.
-WORDS, SLOTS, COUNT, STREAM_COST, PLAIN_COST, PLAIN, TRIED, TRIAL = range(8)
-CONN_COLUMNS = 8
+# samples move them), when it last tried the other way (cycle counter), the slices left in
+# that trial, and how many trials it has begun.
+WORDS, SLOTS, COUNT, STREAM_COST, PLAIN_COST, PLAIN, TRIED, TRIAL, TRIALS = range(9)
+CONN_COLUMNS = 9
 # From this many bytes a copy into a slot may stream (non-temporal stores, see _to_slot); below it
 # a slice is a few lines whose ordinary stores cost less than the fence that streaming needs.
 STREAM_MIN = 4096
@@ -61,7 +61,8 @@ STREAM_MIN = 4096
 # (auto), or always one way.
 STORES_AUTO, STORES_STREAM, STORES_PLAIN = range(3)
 STORE_MODES = {"auto": STORES_AUTO, "stream": STORES_STREAM, "plain": STORES_PLAIN}
-EXPLORE_S = 0.1    # auto: the way not taken is tried again after this long ...
+EXPLORE_S = 0.025  # auto: the way not taken is tried again after this long (the first EARLY_TRIALS
+EARLY_TRIALS = 5   # trials come sooner: after 1/32, 1/16, ... of it, so a short run settles too) ...
 TRIAL_MEASURED = 4  # ... for a round of the slots (their lines settle where that way puts them), then this many slices
 PLAIN_FACTOR = 1.5  # auto: ordinary stores unless they cost the sender this many times streaming
 TRIAL_ABORT = 8     # auto: a trial stops at a first copy this many times dearer than the usual way
@@ -202,8 +203,13 @@ def _to_slot(conns, c, ctl, dst, src):
     cheaper way (ordinary ones unless they cost PLAIN_FACTOR times more), and every EXPLORE_S
     tries the other way for a round of the slots plus TRIAL_MEASURED slices: only those last ones
     count, since the first copy after the other way finds the lines where that way left them
-    (after streaming, in memory: 235-290 cycles per KiB near). A trial copy that costs
-    TRIAL_ABORT times the usual way ends the trial at once: far apart, a whole trial of ordinary
+    (after streaming, in memory: 235-290 cycles per KiB near). A trial's figure is the mean of
+    those slices alone, and the first trials come sooner (EARLY_TRIALS): when each trial was
+    blended into the last one's, every 100 ms, a first trial taken cold (1087 cycles per KiB for
+    ordinary stores near, against ~60 settled) kept a 2-rank 256 KiB broadcast streaming at
+    18-20 us a call for the first second, where ordinary stores take 10; a benchmark's row, or a
+    short job, lasts milliseconds. A trial copy that costs TRIAL_ABORT times the usual way ends
+    the trial at once: far apart, a whole trial of ordinary
     stores cost ~1.5 ms every 100 ms, and showed as a 4x slower 256 KiB row. The caller fences
     before it publishes the slot either way (streaming stores are not kept in order by x86's TSO)."""
     nbytes = dst.size * dst.itemsize
@@ -231,14 +237,18 @@ def _to_slot(conns, c, ctl, dst, src):
         conns[c, TRIAL] = 0                       # hopeless even unsettled (far apart): stop paying
         if conns[c, col] == 0:
             conns[c, col] = cost
-    elif trial == 0 or trial <= TRIAL_MEASURED:   # settled lines: the sample counts
+    elif 0 < trial <= TRIAL_MEASURED:             # a trial's settled samples: their plain mean, afresh
+        seen = TRIAL_MEASURED - trial             # (the last trial's figure may be another placement's)
+        conns[c, col] = (seen * conns[c, col] + cost) // (seen + 1)
+    elif trial == 0:                              # the usual way, every slice: a running average
         conns[c, col] = cost if conns[c, col] == 0 else (3 * conns[c, col] + cost) // 4
     if trial == 1 or (trial == 0 and conns[c, STREAM_COST] and conns[c, PLAIN_COST]):
         conns[c, PLAIN] = conns[c, PLAIN_COST] < PLAIN_FACTOR * conns[c, STREAM_COST]
-    if trial == 0 and (t0 - conns[c, TRIED] > ctl[EXPLORE]
-                       or conns[c, STREAM_COST] == 0 or conns[c, PLAIN_COST] == 0):
+    wait = ctl[EXPLORE] >> max(0, EARLY_TRIALS - conns[c, TRIALS])
+    if trial == 0 and (t0 - conns[c, TRIED] > wait or conns[c, STREAM_COST] == 0 or conns[c, PLAIN_COST] == 0):
         conns[c, TRIED] = t0                      # time (or first time) to try the other way
         conns[c, TRIAL] = ctl[NSLOTS] + TRIAL_MEASURED
+        conns[c, TRIALS] += 1
 
 
 def _stream(dst, src):
