@@ -61,9 +61,9 @@ STREAM_MIN = 4096
 # (auto), or always one way.
 STORES_AUTO, STORES_STREAM, STORES_PLAIN = range(3)
 STORE_MODES = {"auto": STORES_AUTO, "stream": STORES_STREAM, "plain": STORES_PLAIN}
-EXPLORE_S = 0.025  # auto: the way not taken is tried again after this long (the first EARLY_TRIALS
-EARLY_TRIALS = 5   # trials come sooner: after 1/32, 1/16, ... of it, so a short run settles too) ...
-TRIAL_MEASURED = 4  # ... for a round of the slots (their lines settle where that way puts them), then this many slices
+EXPLORE_S = 0.025   # auto: the way not taken is tried again after this long,
+EARLY_TRIALS = 5    # the first trials sooner (after 1/32, 1/16, ... of it: a short run settles too),
+TRIAL_MEASURED = 4  # each for a round of the slots (their lines settle where that way puts them), then this many slices
 PLAIN_FACTOR = 1.5  # auto: ordinary stores unless they cost the sender this many times streaming
 TRIAL_ABORT = 8     # auto: a trial stops at a first copy this many times dearer than the usual way
 
@@ -209,9 +209,9 @@ def _to_slot(conns, c, ctl, dst, src):
     ordinary stores near, against ~60 settled) kept a 2-rank 256 KiB broadcast streaming at
     18-20 us a call for the first second, where ordinary stores take 10; a benchmark's row, or a
     short job, lasts milliseconds. A trial copy that costs TRIAL_ABORT times the usual way ends
-    the trial at once: far apart, a whole trial of ordinary
-    stores cost ~1.5 ms every 100 ms, and showed as a 4x slower 256 KiB row. The caller fences
-    before it publishes the slot either way (streaming stores are not kept in order by x86's TSO)."""
+    the trial at once: far apart, a whole trial of ordinary stores cost ~1.5 ms, and showed as a
+    4x slower 256 KiB row. The caller fences before it publishes the slot either way (streaming
+    stores are not kept in order by x86's TSO)."""
     nbytes = dst.size * dst.itemsize
     mode = ctl[STORES]
     if nbytes < STREAM_MIN or mode == STORES_PLAIN:
