@@ -20,7 +20,8 @@ import shutil
 import tempfile
 
 from . import placement
-from .jobs import Job, JobFailed, PeerUnsupported
+from .jobs import Job, JobFailed, skip_reason
+from .sweep import Sweep, job_config
 
 # A row's warm-up lasts this long at least: the ranks come from a wait at the gate, and a VM's idle
 # vCPUs are halted. Without it, 2-rank all_gather timed 20 calls of 256 KiB in 28-30 us a call
@@ -48,49 +49,44 @@ class Gate:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def run(a, backends, make_sweep, configure, progress, skipped) -> dict:
+def run(a, backends, progress, skipped) -> dict:
     """Every backend's sweep, rows alternating: {backend: result as cli.run_job gives it}. A peer
     that fails or cannot run the sweep goes into ``skipped`` (name -> why) and the others go on;
     ringcomm's failure is a JobFailed."""
     where = (lambda: None) if a.no_placement else placement.round_trip_ns
-    jobs, gates, sweeps, trips, waiting = {}, {}, {}, [where()], set()
+    jobs, gates, sweeps, trips, by_size = {}, {}, {}, [where()], {}
     ok = False
 
-    def drop(name, e):
-        if name == "ringcomm":
-            raise e
-        skipped[name] = str(e) if isinstance(e, PeerUnsupported) else f"its job failed: {e}"
-        progress.note(f"ringcomm-bench: peer {name} skipped: {skipped[name]}", always=True)
-        jobs.pop(name).close()
-        gates.pop(name).close()
-        waiting.discard(name)
+    def each(do):
+        """do(name) for every job still running; a peer whose job fails is dropped, with why."""
+        for name in list(jobs):
+            try:
+                do(name)
+            except JobFailed as e:
+                if name == "ringcomm":
+                    raise
+                skipped[name] = skip_reason(e)
+                progress.note(f"ringcomm-bench: peer {name} skipped: {skipped[name]}", always=True)
+                jobs.pop(name).close()
+                gates.pop(name).close()
+
+    def row(name):
+        gates[name].open()
+        _until(jobs[name], sweeps[name], "row")
 
     try:
         for name in backends:
             gates[name] = Gate(a.ranks)
-            jobs[name] = Job(name, a.ranks, dict(configure(name), gate=gates[name].path, warm_s=WARM_S))
-            sweeps[name] = make_sweep(name)
-        by_size = {}
+            config = job_config(name, a, a.algos if name == "ringcomm" else [None])
+            jobs[name] = Job(name, a.ranks, dict(config, gate=gates[name].path, warm_s=WARM_S))
+            sweeps[name] = Sweep(name, a, progress)
         for size in a.sizes:
-            for name in list(jobs):
-                try:
-                    _until(jobs[name], sweeps[name], "gate")
-                    waiting.add(name)
-                except JobFailed as e:
-                    drop(name, e)
-            by_size[size] = where()
-            for _ in (False, True):          # out of place, then in place
-                for name in list(jobs):
-                    try:
-                        if name not in waiting:
-                            _until(jobs[name], sweeps[name], "gate")
-                        gates[name].open()
-                        waiting.discard(name)
-                        _until(jobs[name], sweeps[name], "row")
-                    except JobFailed as e:
-                        drop(name, e)
-        for name in jobs:
-            _until(jobs[name], sweeps[name], "done")
+            for in_place in (False, True):
+                each(lambda name: _until(jobs[name], sweeps[name], "gate"))   # every job waits
+                if not in_place:
+                    by_size[size] = where()
+                each(row)
+        each(lambda name: _until(jobs[name], sweeps[name], "done"))
         trips.append(where())
         ok = True
     finally:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import signal
 import sys
 
 from . import alternate, machine, placement, report, reproducible, spec
-from .jobs import Job, JobFailed, PeerUnsupported, missing_reason
+from .jobs import Job, JobFailed, missing_reason, skip_reason
+from .sweep import Sweep, job_config
 
 PEERS = ("gloo", "mpi", "nccl")
 
@@ -107,45 +107,6 @@ def _algos(coll: str, text, registered: bool = False):
             raise ValueError(f"{coll} has no algorithm {name!r}; it has: {', '.join(have) or 'none'} "
                              f"(or auto)")
     return [None if name == "auto" else name for name in names] or [None]
-
-
-def job_config(backend, a, algos) -> dict:
-    return {"collective": a.collective, "dtype": a.datatype, "op": a.op, "root": a.root, "sizes": a.sizes,
-            "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
-            "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
-            "registered": a.registered and backend == "ringcomm",
-            "engine": a.engine, "reproducible": a.reproducible}
-
-
-class Sweep:
-    """One backend's figures, gathered from its rank 0's events as they come."""
-
-    def __init__(self, backend, a, progress):
-        self.backend, self.a, self.progress = backend, a, progress
-        self.facts, self.pending, self.rows = {}, {}, {}
-
-    def take(self, ev) -> None:
-        a = self.a
-        if ev["event"] == "start":
-            self.facts = ev["facts"]
-        elif ev["event"] == "repro":
-            label = ev["algo"] or "auto"
-            self.progress.step(f"ringcomm {label} {ev['size']} B plain and reproducible")
-            self.progress.done += 1      # the sweep counts two calls per size
-            self.rows.setdefault(label, []).append(ev)
-        elif ev["event"] == "row":
-            label = ev["algo"] or "auto"
-            name = f"ringcomm {label}" if self.backend == "ringcomm" else self.backend
-            self.progress.step(f"{name} {ev['size']} B {'in' if ev['in_place'] else 'out-of'}-place")
-            key = (label, ev["index"])
-            self.pending.setdefault(key, {})["ip" if ev["in_place"] else "oop"] = ev
-            if len(self.pending[key]) == 2:
-                pair = self.pending.pop(key)
-                self.rows.setdefault(label, []).append(report.make_row(
-                    a.collective, a.ranks, a.datatype, a.op, a.root, pair["oop"], pair["ip"]))
-
-    def result(self, job, trips) -> dict:
-        return {"facts": self.facts, "pids": job.pids, "rows": self.rows, "round_trip_ns": trips}
 
 
 def run_job(backend, a, algos, progress):
@@ -269,7 +230,7 @@ def _one_after_another(a, progress):
                 progress.note(f"ringcomm-bench: peer {peer} done")
                 continue
             except JobFailed as e:  # PeerUnsupported too: one line, the sweep goes on without it
-                why = str(e) if isinstance(e, PeerUnsupported) else f"its job failed: {e}"
+                why = skip_reason(e)
         skipped[peer] = why
         progress.done += 2 * len(a.sizes)
         progress.note(f"ringcomm-bench: peer {peer} skipped: {why}", always=True)
@@ -282,9 +243,7 @@ def _alternating(a, progress):
         progress.done += 2 * len(a.sizes)
         progress.note(f"ringcomm-bench: peer {peer} skipped: {why}", always=True)
     backends = ["ringcomm"] + [peer for peer in a.peer if peer not in skipped]
-    results = alternate.run(a, backends, lambda name: Sweep(name, a, progress),
-                            lambda name: job_config(name, a, a.algos if name == "ringcomm" else [None]),
-                            progress, skipped)
+    results = alternate.run(a, backends, progress, skipped)
     mine = results.pop("ringcomm")
     return mine, results, skipped
 

@@ -36,6 +36,11 @@ class PeerUnsupported(JobFailed):
     """The backend cannot run this sweep (dtype, op, no GPU...)."""
 
 
+def skip_reason(e: JobFailed) -> str:
+    """Why a peer's figures are missing, in one line: what it cannot do, or how its job failed."""
+    return str(e) if isinstance(e, PeerUnsupported) else f"its job failed: {e}"
+
+
 def _importable(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
