@@ -253,7 +253,8 @@ def _to_slot(conns, c, ctl, dst, src):
 
 def _stream(dst, src):
     """dst (a slot, 64-byte aligned) = src with non-temporal stores: whole 8-byte words, then the
-    last bytes of a 1- or 2-byte type plainly."""
+    last bytes of a 1- or 2-byte type plainly. (Not native_sync.stream_line: whole-line vector
+    stores made slot copies slower, 2-rank near all_reduce 1-16 MiB 1.2-1.5x, docs/06.)"""
     nbytes = dst.size * dst.itemsize
     d, s, words = dst.ctypes.data, src.ctypes.data, nbytes // 8
     for i in range(words):
@@ -305,20 +306,10 @@ def kernel():
 def _drop_stale_cache() -> None:
     """numba's disk cache is keyed on this file alone, but the compiled loop also holds code from
     kernels/native.py, kernels/host.py and native_sync.py: after an edit there, drop it."""
-    import glob
     import pathlib
 
-    here = pathlib.Path(__file__)
-    deps = [here.with_name("native_sync.py"), pathlib.Path(native_kernels.__file__),
-            pathlib.Path(native_kernels.host.__file__)]
-    newest = max(p.stat().st_mtime for p in deps)
-    for index in glob.glob(str(here.parent / "__pycache__" / f"{here.stem}._run-*.nbi")):
-        if pathlib.Path(index).stat().st_mtime < newest:
-            for stale in glob.glob(index[:-len(".nbi")] + "*"):
-                try:
-                    pathlib.Path(stale).unlink()
-                except OSError:
-                    pass
+    native_sync.drop_stale_cache(__file__, "_run", [pathlib.Path(native_kernels.__file__),
+                                                    pathlib.Path(native_kernels.host.__file__)])
 
 
 class NativePlan:

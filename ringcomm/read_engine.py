@@ -34,6 +34,7 @@ from ringcomm.kernels import host as kernels
 from ringcomm.transport.base import PeerGone
 from ringcomm.transport.cma import CmaError
 
+from . import stream_copy
 from .buffers import address
 from .errors import RingcommError
 from .plain_read import Remote
@@ -107,7 +108,7 @@ class ReadEngine:
         if step.kind == "copy":
             size = call.inp.itemsize
             if aout + oo * size != ain + io * size:   # not a copy onto itself
-                out[...] = call.inp[io:io + k]
+                stream_copy.copy(out, call.inp[io:io + k])
             return
         if step.writes:  # this rank's input chunk straight into each peer's output chunk
             src = call.inp[io:io + k]
@@ -116,7 +117,7 @@ class ReadEngine:
                 if isinstance(dst, Remote):
                     self._cma(ex, call, dst, src, writing=True)
                 else:
-                    dst[...] = src
+                    stream_copy.copy(dst, src)
             return
         if step.reads == "out":
             srcs = [self._view(ex, call, step.remote[0], "out", views)[oo:oo + k]]
@@ -127,7 +128,7 @@ class ReadEngine:
             if isinstance(srcs[0], Remote):
                 self._cma(ex, call, srcs[0], out)
             else:
-                out[...] = srcs[0]
+                stream_copy.copy(out, srcs[0])
             return
         if any(isinstance(s, Remote) for s in srcs):  # settle never picks "read" for these on plain buffers
             raise RingcommError(f"{call.name} #{call.seq}: a reducing read step needs registered buffers "

@@ -26,6 +26,9 @@ def _cases(n):
             i += 1
     cases.append(dict(collective="all_gather", dtype="float32", op="sum", count=(1 << 20) + 3, algo=None,
                       root=0, inplace=True, seed=99))
+    # out of place, 8 MiB and 12 bytes a rank: the own block's copy streams (stream_copy)
+    cases.append(dict(collective="all_gather", dtype="float32", op="sum", count=(2 << 20) + 3, algo=None,
+                      root=0, inplace=False, seed=98))
     return cases
 
 

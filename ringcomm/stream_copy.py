@@ -1,0 +1,87 @@
+"""Large local copies past the caches: ``copy(out, src)`` is ``out[...] = src``, with non-temporal
+stores from STREAM_MIN_BYTES.
+
+An ordinary store must first own its cache line: the core reads the line from memory, then
+writes it back, so copying N bytes moves 3N over the memory bus. A non-temporal store writes a
+whole line without reading it first (2N), and leaves it out of the caches, which a copy far
+bigger than the caches would only flush anyway. glibc's memcpy switches to such stores on its
+own, but on this VM (AMD EPYC, 32 MiB L3, 2 vCPUs) its large copies run at 11-13 GB/s where one
+64-byte vector store per line (native_sync.stream_line) runs at 17-18 GB/s on one core, and
+14.6-15.3 against 11.2-11.5 with the other core copying too (docs/06, "Copies past the caches").
+
+Where it is used: the one-copy engine's large copies (read_engine.py): an out-of-place
+all_gather's own block, and the copies out of, or into, a peer's registered buffer. Below
+STREAM_MIN_BYTES memcpy wins: the buffers then stay in L2/L3, where an ordinary copy runs at
+~45 GB/s and the next reader finds the data in cache. Reductions' outputs and the FIFO slots
+keep ordinary stores (or the slots' own streaming): streamed, they measured slower (docs/06).
+
+x86-64 only (measured there); elsewhere, or for overlapping or non-contiguous arrays, numpy
+copies. RINGCOMM_STREAM_COPY=0 turns it off.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import threading
+
+import numpy as np
+
+from . import native_sync
+
+STREAM_MIN_BYTES = 8 << 20   # measured, docs/06 "Copies past the caches": 2-rank all_gather, 16 MiB and up
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+_lock = threading.Lock()
+_kernel = None
+
+
+def enabled() -> bool:
+    """RINGCOMM_STREAM_COPY: 1 (default on x86-64) streams large copies, 0 never does."""
+    raw = os.environ.get("RINGCOMM_STREAM_COPY", "1").strip().lower()
+    if raw not in ("0", "1", "off", "on", "no", "yes", "false", "true", ""):
+        raise ValueError(f"RINGCOMM_STREAM_COPY={raw!r}: use 1 (on, the default) or 0 (off)")
+    return X86 and raw not in ("0", "off", "no", "false")
+
+
+
+def copy(out: np.ndarray, src: np.ndarray) -> None:
+    """out[...] = src (same shape and dtype), streamed when it is big, contiguous and not overlapping."""
+    if (out.nbytes < STREAM_MIN_BYTES or not kernel() or out.shape != src.shape or out.dtype != src.dtype
+            or not (out.flags.c_contiguous and src.flags.c_contiguous) or np.may_share_memory(out, src)):
+        out[...] = src
+        return
+    _kernel(out.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8))
+
+
+def kernel():
+    """The compiled copy (numba, cached on disk: the first process on a machine compiles it, ~0.4 s), or False where
+    streaming is off; RINGCOMM_STREAM_COPY is read at the first large copy."""
+    global _kernel
+    if _kernel is not None:
+        return _kernel
+    with _lock:
+        if _kernel is None and not enabled():
+            _kernel = False
+        elif _kernel is None:
+            import numba
+            native_sync.intrinsics()
+            native_sync.drop_stale_cache(__file__, "_copy_streaming")
+            _kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_copy_streaming)
+    return _kernel
+
+
+def _copy_streaming(dst, src):
+    """dst = src (uint8 views): ordinary stores up to dst's first 64-byte boundary, then whole lines
+    with non-temporal stores, the last partial line ordinarily; a fence, so the streamed lines are
+    in place before any later store (a flag a peer reads) becomes visible."""
+    n = dst.size
+    head = min(n, (-dst.ctypes.data) & 63)
+    for i in range(head):
+        dst[i] = src[i]
+    d, s = dst.ctypes.data + head, src.ctypes.data + head
+    lines = (n - head) // 64
+    for i in range(lines):
+        native_sync.stream_line(d + 64 * i, s + 64 * i)
+    for i in range(head + 64 * lines, n):
+        dst[i] = src[i]
+    native_sync.stream_fence()
