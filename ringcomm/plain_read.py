@@ -29,6 +29,7 @@ import numpy as np
 
 from ringcomm.transport import cma
 
+from .buffers import address
 from .env import env_number
 from .errors import RingcommError
 
@@ -91,14 +92,14 @@ class Remote:
         """out[...] = this piece, in one copy (out: C-contiguous, same size and dtype)."""
         if out.size != self.size or not out.flags.c_contiguous:
             raise ValueError(f"CMA read of {self.size} elements into {out.size} (contiguous: {out.flags.c_contiguous})")
-        cma.read(self.pid, self.addr, out.ctypes.data, out.nbytes)
+        cma.read(self.pid, self.addr, address(out), out.nbytes)
 
     def copy_from(self, src: np.ndarray) -> None:
         """This piece = src, in one copy (process_vm_writev; src: C-contiguous, same size and dtype)."""
         if src.size != self.size or not src.flags.c_contiguous:
             raise ValueError(f"CMA write of {src.size} elements into {self.size} "
                              f"(contiguous: {src.flags.c_contiguous})")
-        cma.write(self.pid, self.addr, src.ctypes.data, src.nbytes)
+        cma.write(self.pid, self.addr, address(src), src.nbytes)
 
 
 def setup(reg, words, magic: int) -> bool:

@@ -10,6 +10,8 @@ explains and checks) holds:
                  for a plain buffer (-1, its address in this process), read by CMA (plain_read.py)
     DESC+4, +5   the input's and the output's byte counts
     SYNC + p     syncs this rank has reached with rank p (step kind "sync"), counted for the whole run
+    SYNC + n + p set while this rank sleeps on one of rank p's words (p's publish wakes it only then);
+                 ctl_words(n) = SYNC + 2n words in all
     PID, CLOSED  liveness, as in transport/shm.py; MAPPED: allocations whose peers this rank mapped
 
 A read of peer q's buffer waits until q's CALLS reaches this call (q has entered it and its
@@ -41,6 +43,11 @@ from .plain_read import Remote
 from .schedule.step import chunk_span
 
 PID, CLOSED, CALLS, MAPPED, DESC, SYNC = 1, 2, 3, 4, 8, 16  # int64 word indices (word 0: magic)
+
+
+def ctl_words(n: int) -> int:
+    """Words in the control segment of a rank among n: SYNC + p, then SYNC + n + p, for every rank p."""
+    return SYNC + 2 * n
 PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated passes stay in L2
 
 

@@ -37,7 +37,7 @@ from . import plain_read
 from .buffers import address
 from .catalogue import ALGOS
 from .errors import CollectiveTimeout, RingcommError
-from .read_engine import CLOSED, MAPPED, PID, SYNC, ReadEngine
+from .read_engine import CLOSED, MAPPED, PID, SYNC, ReadEngine, ctl_words
 from .schedule.onecopy import ALGO
 
 MAGIC = 0x52434D5247310001  # "RCMRG1", layout version 1
@@ -134,6 +134,7 @@ class Registry:
         self.mine: list[_Map] = []      # allocation k -> this rank's segment
         self.peers: dict = {}           # (peer, k) -> _Map; (peer, "ctl") -> its control segment
         self.ctl = None                 # this rank's control segment
+        self._ctls = None               # the peers' control words, once all are mapped (publish)
         self.named: list = []           # paths of this rank's segments still in /dev/shm
         self.engine = ReadEngine(self)
         self.closed = False
@@ -194,14 +195,14 @@ class Registry:
 
     def _ensure_ctl(self) -> None:
         if self.ctl is None:
-            self.ctl = self._create(8 * (SYNC + self.n))
+            self.ctl = self._create(8 * ctl_words(self.n))
             words = self.ctl.words
             words[0], words[PID] = MAGIC, os.getpid()
             self.named.append(self.ctl.path)
 
     def map_ctl(self, p: int, name: str) -> None:
         if (p, "ctl") not in self.peers:
-            self.peers[p, "ctl"] = self._map(name, 8 * (SYNC + self.n), p)
+            self.peers[p, "ctl"] = self._map(name, 8 * ctl_words(self.n), p)
 
     def cma_ok(self) -> bool:
         """Whether plain buffers can take the read steps by CMA (plain_read.py). The first call is
@@ -289,7 +290,7 @@ class Registry:
         if ex is not None:
             ex._waiting = (peer, "sync", 0, t0)
         ctl = self.peers[peer, "ctl"].words
-        backoff = Backoff(self.ctx.spins, None if word is None else self._sleeper(ctl, word, ready))
+        backoff = Backoff(self.ctx.spins, None if word is None else self._sleeper(ctl, word, ready, peer))
         deadline, patrol = t0 + self.timeout, t0 + PATROL_PERIOD
         while not ready():
             backoff()
@@ -316,21 +317,38 @@ class Registry:
         if ex is not None:
             ex._waiting = None
 
-    @staticmethod
-    def _sleeper(ctl, word: int, ready):
-        addr = address(ctl) + 8 * word
+    def _sleeper(self, ctl, word: int, ready, peer: int):
+        addr, mine, flag = address(ctl) + 8 * word, self.ctl.words, SYNC + self.n + peer
 
         def block(seconds: float) -> None:
-            seen = int(ctl[word])  # a store after this read fails the kernel's compare: no lost wake
-            if not ready():
-                futex.wait(addr, seen, seconds)
+            mine[flag] = 1   # the peer's publish() wakes this rank only while it is set
+            try:
+                seen = int(ctl[word])  # a store after this read fails the kernel's compare: no lost wake
+                if not ready():
+                    futex.wait(addr, seen, seconds)
+            finally:
+                mine[flag] = 0
         return block
 
     def publish(self, word: int, value: int) -> None:
-        """Store ``value`` in this rank's control word ``word`` and wake a peer asleep on it: always
-        (one syscall, no waiter flag), so no wake-up can be missed whatever the store order."""
+        """Store ``value`` in this rank's control word ``word`` and wake the peers asleep on this
+        rank's words (their flag for it, SYNC + n + this rank, is set): no syscall when none
+        sleeps. As in transport/shm.py, x86 may let the flag's read pass this store, and a peer
+        that set its flag just then sleeps until its futex times out (Backoff.MAX_SLEEP): later,
+        never lost."""
         self.ctl.words[word] = value
-        futex.wake(self.ctl.base + 8 * word)
+        flag = SYNC + self.n + self.rank
+        for theirs in self._peer_ctls():
+            if theirs[flag]:
+                futex.wake(self.ctl.base + 8 * word)
+                return
+
+    def _peer_ctls(self) -> list:
+        """The peers' control words, in rank order (for publish())."""
+        got = self._ctls
+        if got is None or len(got) < self.n - 1:   # not all mapped yet: look again
+            got = self._ctls = [self.peers[p, "ctl"].words for p in self._others() if (p, "ctl") in self.peers]
+        return got
 
     def leave(self) -> None:
         """Tell the peers this rank takes no more part (a failure or abort): their waits on it end."""

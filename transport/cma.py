@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import threading
 
 MAX_PIECE = 1 << 30   # bytes per call: a failure then says where, and a call stays well under 2 GiB
 
@@ -43,6 +44,7 @@ def _load():
 
 
 _FNS = _load()
+_iovecs = threading.local()   # per thread: .made = (local iovec, remote iovec, and a pointer to each)
 _WHY = {errno.EPERM: "not permitted (Yama ptrace_scope, or a container forbids it)",
         errno.ESRCH: "no such process (the peer is gone)",
         errno.EFAULT: "bad address (outside the peer's mappings)",
@@ -77,12 +79,17 @@ def _transfer(which: int, pid: int, local: int, remote: int, nbytes: int) -> Non
     if _FNS is None:
         raise CmaError(errno.ENOSYS, _WHY[errno.ENOSYS])
     fn, done = _FNS[which], 0
-    lv, rv = _Iovec(), _Iovec()
+    try:
+        lv, rv, plv, prv = _iovecs.made
+    except AttributeError:   # this thread's first transfer: two iovecs, kept (~1 us a call less)
+        lv, rv = _Iovec(), _Iovec()
+        plv, prv = ctypes.byref(lv), ctypes.byref(rv)
+        _iovecs.made = lv, rv, plv, prv
     while done < nbytes:
         n = min(nbytes - done, MAX_PIECE)
         lv.iov_base, lv.iov_len = local + done, n
         rv.iov_base, rv.iov_len = remote + done, n
-        got = fn(pid, ctypes.byref(lv), 1, ctypes.byref(rv), 1, 0)
+        got = fn(pid, plv, 1, prv, 1, 0)
         if got > 0:
             done += got      # partial: go on from there; the next call reports what stopped it
             continue
