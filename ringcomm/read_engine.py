@@ -49,6 +49,10 @@ def ctl_words(n: int) -> int:
     """Words in the control segment of a rank among n: SYNC + p, then SYNC + n + p, for every rank p."""
     return SYNC + 2 * n
 PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated passes stay in L2
+# ...but one pass (two operands, straight into the output) reuses nothing: bigger pieces, fewer
+# numpy calls. 2-rank registered reduce_scatter, alternating in one run: 4 MiB 164-170 us with
+# 256 KiB pieces, 146-147 with 1 MiB; 16 MiB 1469-1585 against 1320-1423; 64 MiB the same.
+ONE_PASS_PIECE_BYTES = 1024 * 1024
 
 
 class ReadEngine:
@@ -149,7 +153,8 @@ class ReadEngine:
         """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
         input (in place) and that input is not among the first two operands, the first operation
         would overwrite it before it is read: those pieces are built in a scratch buffer."""
-        piece = max(1, PIECE_BYTES // out.itemsize)
+        one_pass = len(srcs) == 2 and not via_scratch
+        piece = max(1, (ONE_PASS_PIECE_BYTES if one_pass else PIECE_BYTES) // out.itemsize)
         scratch = self._scratch(out.dtype, piece) if via_scratch else None
         for a in range(0, out.size, piece):
             b = min(a + piece, out.size)

@@ -107,7 +107,7 @@ def test_cost_and_viz_see_the_reads():
 
 # ---- real ranks ----------------------------------------------------------------------------------
 
-BIG = 200_003  # a few 256 KiB pieces per chunk: the reduction loop and its scratch path run
+BIG = 600_011  # several pieces per chunk (256 KiB; 1 MiB for two operands): the reduction loop and its scratch path run
 
 
 def _cases(n):
