@@ -365,6 +365,7 @@ class Registry:
         for path in self.named:
             shm.unlink_tracked(path)
         self.named = []
+        self._ctls = None   # publish()'s views of the peers' words: dropped, so their maps can close
         for seg in self.peers.values():
             seg.close()
         self.peers.clear()
