@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -200,3 +201,28 @@ def test_slot_stores_knob_is_checked(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     assert en.slot_stores(cores) == en.STORES_AUTO
     assert en.slot_stores(cores + 1) == en.STORES_STREAM   # more ranks than cores: the measured default
+
+
+def _lock_path():
+    from ringcomm import engine_native as en
+    k = en.kernel()
+    return os.path.join(k._cache._cache_path, f"ringcomm-engine-compile-{os.getuid()}.lock")
+
+
+def test_warm_once_compiles_under_a_lock_it_releases_and_never_waits_past_its_deadline(monkeypatch):
+    import fcntl
+
+    from ringcomm import engine_native as en
+    monkeypatch.setattr(en, "_warmed", set())
+    en.warm_once(np.float32)
+    assert en._warmed == {np.dtype(np.float32)}
+    fd = os.open(_lock_path(), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # released: another holder gets it at once
+        # Held by someone else (this fd): warm_once waits its deadline out, then compiles anyway.
+        monkeypatch.setattr(en, "COMPILE_LOCK_WAIT_S", 0.2)
+        t0 = time.monotonic()
+        en.warm_once(np.int32)
+        assert 0.2 <= time.monotonic() - t0 < 30 and np.dtype(np.int32) in en._warmed
+    finally:
+        os.close(fd)
