@@ -18,6 +18,15 @@ def env_number(name, default, kind=float):
     return value
 
 
+def env_switch(name: str) -> bool:
+    """An on/off knob that is on unless ``$name`` says off: 1, on, yes, true or empty (on); 0, off,
+    no or false (off); anything else is an error that names the variable."""
+    raw = os.environ.get(name, "1").strip().lower()
+    if raw not in ("0", "1", "off", "on", "no", "yes", "false", "true", ""):
+        raise ValueError(f"{name}={raw!r}: use 1 (on, the default) or 0 (off)")
+    return raw not in ("0", "off", "no", "false")
+
+
 def oversubscribed(world_size: int) -> bool:
     """Whether this host's ranks (LOCAL_WORLD_SIZE, else ``world_size``) outnumber the cores this
     process may use: then ranks share cores and preempt each other (assemble.spins,

@@ -30,7 +30,7 @@ import numpy as np
 from ringcomm.transport import cma
 
 from .buffers import address
-from .env import env_number
+from .env import env_number, env_switch
 from .errors import RingcommError
 
 COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
@@ -52,10 +52,7 @@ CORES = max(1, os.cpu_count() or 1)
 
 def enabled() -> bool:
     """RINGCOMM_CMA: 1 (default) probes and uses CMA where it beats the FIFOs, 0 never does."""
-    raw = os.environ.get("RINGCOMM_CMA", "1").strip().lower()
-    if raw not in ("0", "1", "off", "on", "no", "yes", "false", "true", ""):
-        raise ValueError(f"RINGCOMM_CMA={raw!r}: use 1 (on, the default) or 0 (off)")
-    return raw not in ("0", "off", "no", "false") and cma.available()
+    return env_switch("RINGCOMM_CMA") and cma.available()
 
 
 def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:

@@ -43,16 +43,16 @@ from .plain_read import Remote
 from .schedule.step import chunk_span
 
 PID, CLOSED, CALLS, MAPPED, DESC, SYNC = 1, 2, 3, 4, 8, 16  # int64 word indices (word 0: magic)
-
-
-def ctl_words(n: int) -> int:
-    """Words in the control segment of a rank among n: SYNC + p, then SYNC + n + p, for every rank p."""
-    return SYNC + 2 * n
 PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated passes stay in L2
 # ...but one pass (two operands, straight into the output) reuses nothing: bigger pieces, fewer
 # numpy calls. 2-rank registered reduce_scatter, alternating in one run: 4 MiB 164-170 us with
 # 256 KiB pieces, 146-147 with 1 MiB; 16 MiB 1469-1585 against 1320-1423; 64 MiB the same.
 ONE_PASS_PIECE_BYTES = 1024 * 1024
+
+
+def ctl_words(n: int) -> int:
+    """Words in the control segment of a rank among n: SYNC + p, then SYNC + n + p, for every rank p."""
+    return SYNC + 2 * n
 
 
 class ReadEngine:

@@ -20,13 +20,13 @@ copies. RINGCOMM_STREAM_COPY=0 turns it off.
 """
 from __future__ import annotations
 
-import os
 import platform
 import threading
 
 import numpy as np
 
 from . import native_sync
+from .env import env_switch
 
 STREAM_MIN_BYTES = 8 << 20   # measured, docs/06 "Copies past the caches": 2-rank all_gather, 16 MiB and up
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -37,11 +37,7 @@ _kernel = None
 
 def enabled() -> bool:
     """RINGCOMM_STREAM_COPY: 1 (default on x86-64) streams large copies, 0 never does."""
-    raw = os.environ.get("RINGCOMM_STREAM_COPY", "1").strip().lower()
-    if raw not in ("0", "1", "off", "on", "no", "yes", "false", "true", ""):
-        raise ValueError(f"RINGCOMM_STREAM_COPY={raw!r}: use 1 (on, the default) or 0 (off)")
-    return X86 and raw not in ("0", "off", "no", "false")
-
+    return env_switch("RINGCOMM_STREAM_COPY") and X86
 
 
 def copy(out: np.ndarray, src: np.ndarray) -> None:
@@ -54,8 +50,8 @@ def copy(out: np.ndarray, src: np.ndarray) -> None:
 
 
 def kernel():
-    """The compiled copy (numba, cached on disk: the first process on a machine compiles it, ~0.4 s), or False where
-    streaming is off; RINGCOMM_STREAM_COPY is read at the first large copy."""
+    """The compiled copy (numba, cached on disk: the first process on a machine compiles it,
+    ~0.4 s), or False where streaming is off; RINGCOMM_STREAM_COPY is read at the first large copy."""
     global _kernel
     if _kernel is not None:
         return _kernel
