@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 
 import numpy as np
 
@@ -265,7 +266,8 @@ def _stream(dst, src):
 
 
 numba_carray = native_reduce = native_avg = None
-_kernel = None
+_helpers_made = False
+_kernels: dict = {}   # storage dtype -> the loop compiled for it (kernel)
 _lock = threading.Lock()
 
 
@@ -285,13 +287,19 @@ def slot_stores(world_size: int) -> int:
     return STORE_MODES[raw]
 
 
-def kernel():
-    """The compiled loop (numba dispatcher): one specialization per element type, cached on disk.
-    Made once per process, under a lock: communicators may be created in several threads."""
-    global _kernel, numba_carray, native_reduce, native_avg
+def kernel(dtype=None):
+    """The compiled loop for ``dtype`` (a numba dispatcher), cached on disk.
+
+    One dispatcher per storage type (see kernels/native.py: both 16-bit floats are uint16), each
+    a copy of _run named after its type, so each has its own cache files: processes that start
+    on a cold cache can compile different element types at the same time (one dispatcher for
+    all types shares one cache index, which two writers would corrupt). Made under a lock:
+    communicators may be created in several threads. Without a dtype it only makes the
+    intrinsics and the jitted helpers (tests call those directly)."""
+    global _helpers_made, numba_carray, native_reduce, native_avg
+    import numba
     with _lock:
-        if _kernel is None:
-            import numba
+        if not _helpers_made:
             native_sync.intrinsics()
             numba_carray = numba.carray
             native_reduce, native_avg = native_kernels.compiled()
@@ -299,18 +307,28 @@ def kernel():
             g = globals()
             for name in ("_wait_above", "_slot", "_stop", "_copy", "_stream", "_to_slot", "_move", "_peer_sleeps"):
                 g[name] = jit(g[name])
-            _drop_stale_cache()
-            _kernel = numba.njit(nogil=True, cache=True, error_model="numpy", boundscheck=False)(_run)
-    return _kernel
+            _helpers_made = True
+        if dtype is None:
+            return None
+        kind = native_kernels.storage(dtype)
+        k = _kernels.get(kind)
+        if k is None:
+            name = f"_run_{kind.name}"
+            loop = types.FunctionType(_run.__code__, globals(), name)
+            loop.__qualname__ = name                   # numba names the cache files after it
+            _drop_stale_cache(name)
+            k = _kernels[kind] = numba.njit(nogil=True, cache=True, error_model="numpy",
+                                            boundscheck=False)(loop)
+    return k
 
 
-def _drop_stale_cache() -> None:
+def _drop_stale_cache(name: str) -> None:
     """numba's disk cache is keyed on this file alone, but the compiled loop also holds code from
     kernels/native.py, kernels/host.py and native_sync.py: after an edit there, drop it."""
     import pathlib
 
-    native_sync.drop_stale_cache(__file__, "_run", [pathlib.Path(native_kernels.__file__),
-                                                    pathlib.Path(native_kernels.host.__file__)])
+    native_sync.drop_stale_cache(__file__, name, [pathlib.Path(native_kernels.__file__),
+                                                  pathlib.Path(native_kernels.host.__file__)])
 
 
 class NativePlan:
@@ -341,7 +359,7 @@ class NativeEngine:
         self.ctl = np.zeros(CTL_SIZE, np.int64)
         self.spin_s, self.budget_s = spin_s, budget_s
         self.stacked = False  # the last look found the peer waiting for this CPU: start short
-        self.kernel = None    # numba and the loop load at the first plan over shm links (_start)
+        self.started = False  # numba and the intrinsics load at the first plan over shm links (_start)
 
     def _start(self) -> None:
         """Load the compiled loop and turn the polling times into cycle-counter ticks. Not in
@@ -355,14 +373,15 @@ class NativeEngine:
         self.rounds = int(spin_s / SPIN_ROUND_S)
         self.first, self.short = int(min(spin_s, FIRST_ROUND_S) * hz), int(min(spin_s, STACKED_ROUND_S) * hz)
         self.stores, self.explore = slot_stores(self.x.world_size), int(EXPLORE_S * hz)
-        self.kernel = kernel()
+        kernel()
+        self.started = True
 
     def plan(self, entries) -> NativePlan | None:
         """The table for a reference plan's entries; None if a link is not shm."""
         conns = {c for e in entries for _, c in e[6] + e[7]}
         if not all(isinstance(c, (shm.ShmSend, shm.ShmRecv)) for c in conns):
             return None
-        if self.kernel is None:
+        if not self.started:
             self._start()
         maxsrc = max((len(e[6]) for e in entries), default=0)
         maxdst = max((len(e[7]) for e in entries), default=0)
@@ -423,14 +442,15 @@ class NativeEngine:
             self.owned = True
         if plan.unsettled:
             plan.unsettled = [c for c in plan.unsettled if not c.settle()]
-        if inp.dtype not in _warmed:
-            warm_once(inp.dtype)
+        loop = _warmed.get(inp.dtype)
+        if loop is None:
+            loop = warm_once(inp.dtype)
         if ctl[KIND16]:
             inp, out = inp.view(np.uint16), out.view(np.uint16)
         ctl[NEXT] = 0
         ctl[SPIN] = self.short if self.stacked else self.first
         x, rounds, where = self.x, 0, -1
-        while self.kernel(plan.table, self.conns, ctl, inp, out) != DONE:
+        while loop(plan.table, self.conns, ctl, inp, out) != DONE:
             status = ctl[STATUS]
             if status == YIELD:
                 continue
@@ -467,24 +487,26 @@ class NativeEngine:
             self.objs[row[PEERS + maxsrc + j]].wake_peer()
 
 
-_warmed: set = set()   # dtypes whose loop this process has compiled or loaded (warm_once)
-COMPILE_LOCK_WAIT_S = 300.0   # a cold compile takes ~5 s a dtype here; minutes under an emulated CPU
+_warmed: dict = {}   # dtype -> its loop, compiled or loaded by this process (warm_once)
+COMPILE_LOCK_WAIT_S = 300.0   # a cold compile takes ~4 s a dtype here; minutes under an emulated CPU
 
 
-def warm_once(dtype) -> None:
-    """warm([dtype]) once per process, and one process at a time per machine: ranks that start
-    together on a cold cache would otherwise each compile the same loop (2 ranks, 9 dtypes: 44 s
-    cold, where the second process then loads in ~0.1 s). The lock is a file beside numba's cache,
-    held only while compiling, never during a collective; a holder that dies releases it. After
-    COMPILE_LOCK_WAIT_S this process compiles without it."""
+def warm_once(dtype):
+    """The loop for ``dtype``, compiled (or loaded from numba's disk cache) once per process and
+    by one process at a time per machine and element type: ranks that start together on a cold
+    cache would otherwise each compile the same loop (2 ranks, 9 dtypes: 44 s cold, where the
+    second process then loads in ~0.1 s). The lock is a file per element type beside numba's
+    cache, held only while compiling, never during a collective; a holder that dies releases it.
+    After COMPILE_LOCK_WAIT_S this process compiles without it."""
     dtype = np.dtype(dtype)
-    if dtype in _warmed:
-        return
+    loop = _warmed.get(dtype)
+    if loop is not None:
+        return loop
     import fcntl
     import tempfile
-    k = kernel()
-    where = getattr(getattr(k, "_cache", None), "_cache_path", None) or tempfile.gettempdir()
-    path = os.path.join(where, f"ringcomm-engine-compile-{os.getuid()}.lock")
+    loop = kernel(dtype)
+    where = getattr(getattr(loop, "_cache", None), "_cache_path", None) or tempfile.gettempdir()
+    path = os.path.join(where, f"ringcomm-engine-compile-{os.getuid()}-{native_kernels.storage(dtype).name}.lock")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
@@ -499,21 +521,22 @@ def warm_once(dtype) -> None:
                 if time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
-        warm([dtype])
+        empty_plan, conns = np.zeros((0, PEERS), np.int64), np.zeros((1, CONN_COLUMNS), np.int64)
+        a = np.zeros(1, native_kernels.storage(dtype))
+        loop(empty_plan, conns, np.zeros(CTL_SIZE, np.int64), a, a)   # compiles, or loads from disk
     finally:
         if fd is not None:
             os.close(fd)   # releases the lock
-    _warmed.add(dtype)
+    _warmed[dtype] = loop
+    return loop
 
 
 def warm(dtypes=None) -> None:
-    """Compile (or load from numba's disk cache) the loop for these dtypes, default every one the
-    engine takes: what a process pays before its first call on each dtype."""
+    """Compile (or load from numba's disk cache) the loop for these dtypes, in this order, default
+    every one the engine takes: what a process pays before its first call on each dtype. Two
+    processes that warm the same types in opposite orders compile them side by side (each type
+    under its own lock, warm_once): the test suite's two workers do that on a fresh checkout."""
     from ringcomm.kernels import host
-    k = kernel()
-    empty_plan, conns = np.zeros((0, PEERS), np.int64), np.zeros((1, CONN_COLUMNS), np.int64)
-    ctl = np.zeros(CTL_SIZE, np.int64)
-    for dt in dtypes or host.SUPPORTED_DTYPES:
+    for dt in host.SUPPORTED_DTYPES if dtypes is None else dtypes:
         if native_kernels.supported(dt):
-            a = np.zeros(1, native_kernels.storage(dt))
-            k(empty_plan, conns, ctl, a, a)
+            warm_once(dt)

@@ -17,7 +17,8 @@ from numba import cuda
 from ringcomm.kernels import device as D
 from ringcomm.kernels import host as H
 
-pytestmark = pytest.mark.skipif(not D.SIMULATOR, reason="run by test_kernels_device.py with NUMBA_ENABLE_CUDASIM=1")
+pytestmark = [pytest.mark.skipif(not D.SIMULATOR, reason="run by test_kernels_device.py with NUMBA_ENABLE_CUDASIM=1"),
+              pytest.mark.no_ranks]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = H.SUPPORTED_DTYPES

@@ -12,8 +12,9 @@ from exact import bits, passes
 from ringcomm.kernels import device_reproducible as DR
 from ringcomm.kernels import reproducible as R
 
-pytestmark = pytest.mark.skipif(not DR.SIMULATOR,
-                                reason="run by test_reproducible_device.py with NUMBA_ENABLE_CUDASIM=1")
+pytestmark = [pytest.mark.skipif(not DR.SIMULATOR,
+                                 reason="run by test_reproducible_device.py with NUMBA_ENABLE_CUDASIM=1"),
+              pytest.mark.no_ranks]
 
 
 def inputs(dt, n, m, seed):

@@ -203,26 +203,48 @@ def test_slot_stores_knob_is_checked(monkeypatch):
     assert en.slot_stores(cores + 1) == en.STORES_STREAM   # more ranks than cores: the measured default
 
 
-def _lock_path():
+def _lock_path(dtype):
     from ringcomm import engine_native as en
-    k = en.kernel()
-    return os.path.join(k._cache._cache_path, f"ringcomm-engine-compile-{os.getuid()}.lock")
+    from ringcomm.kernels import native
+    return os.path.join(en.kernel(dtype)._cache._cache_path,
+                        f"ringcomm-engine-compile-{os.getuid()}-{native.storage(dtype).name}.lock")
 
 
 def test_warm_once_compiles_under_a_lock_it_releases_and_never_waits_past_its_deadline(monkeypatch):
     import fcntl
 
     from ringcomm import engine_native as en
-    monkeypatch.setattr(en, "_warmed", set())
-    en.warm_once(np.float32)
-    assert en._warmed == {np.dtype(np.float32)}
-    fd = os.open(_lock_path(), os.O_RDWR)
+    monkeypatch.setattr(en, "_warmed", {})
+    loop = en.warm_once(np.float32)
+    assert en._warmed == {np.dtype(np.float32): loop} and loop is en.kernel(np.float32)
+    fd = os.open(_lock_path(np.float32), os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # released: another holder gets it at once
+        # Another element type has a lock of its own: held here, it does not delay float64.
+        t0 = time.monotonic()
+        en.warm_once(np.float64)
+        assert time.monotonic() - t0 < 20 and np.dtype(np.float64) in en._warmed
         # Held by someone else (this fd): warm_once waits its deadline out, then compiles anyway.
         monkeypatch.setattr(en, "COMPILE_LOCK_WAIT_S", 0.2)
+        monkeypatch.setattr(en, "_warmed", {})
         t0 = time.monotonic()
-        en.warm_once(np.int32)
-        assert 0.2 <= time.monotonic() - t0 < 30 and np.dtype(np.int32) in en._warmed
+        en.warm_once(np.float32)
+        assert 0.2 <= time.monotonic() - t0 < 30 and np.dtype(np.float32) in en._warmed
     finally:
         os.close(fd)
+
+
+def test_each_element_type_has_its_own_loop_and_cache_files():
+    """One dispatcher per storage type, its cache files named after it: two processes compiling
+    different types never write the same index. Both 16-bit floats share uint16's."""
+    import glob
+
+    from ringcomm import engine_native as en
+    from ringcomm.kernels import host
+    loops = {dt: en.warm_once(dt) for dt in host.SUPPORTED_DTYPES if en.native_kernels.supported(dt)}
+    assert len({id(k) for k in loops.values()}) == len({en.native_kernels.storage(d) for d in loops})
+    for dt, loop in loops.items():
+        name = f"_run_{en.native_kernels.storage(dt).name}"
+        assert loop.py_func.__qualname__ == name
+        assert len(loop.signatures) == 1
+        assert glob.glob(os.path.join(loop._cache._cache_path, f"engine_native.{name}-*.nbi")), name
