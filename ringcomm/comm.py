@@ -73,7 +73,7 @@ class Communicator:
         if self._reproducible(reproducible, "all_reduce", algo, x, y, op, None):
             return buf if out is None else out
         picked, sched = self._run("all_reduce", algo, x, y, x.size, op, None, x.nbytes)
-        self._remember(buf, out, args, op, picked, sched, x, y)
+        self._known.remember(buf, out, args, op, picked, sched)
         return buf if out is None else out
 
     @asyncable
@@ -88,7 +88,7 @@ class Communicator:
         x = host_array(buf, "all_gather buf", writable=False)
         y = self._out(out, x, x.size * self.world_size, "all_gather")
         picked, sched = self._run("all_gather", algo, x, y, x.size, "sum", None, y.nbytes)
-        self._remember(buf, out, args, "sum", picked, sched, x, y)
+        self._known.remember(buf, out, args, "sum", picked, sched)
         return out
 
     @asyncable
@@ -111,7 +111,7 @@ class Communicator:
         if self._reproducible(reproducible, "reduce_scatter", algo, x, y, op, None):
             return out
         picked, sched = self._run("reduce_scatter", algo, x, y, y.size, op, None, x.nbytes)
-        self._remember(buf, out, args, op, picked, sched, x, y)
+        self._known.remember(buf, out, args, op, picked, sched)
         return out
 
     @asyncable
@@ -126,7 +126,7 @@ class Communicator:
         self._check_rank(root, "broadcast root")
         x = host_array(buf, "broadcast buf", writable=self.rank != root)
         picked, sched = self._run("broadcast", algo, x, x, x.size, "sum", root, x.nbytes)
-        self._remember(buf, None, args, "sum", picked, sched, x, x)
+        self._known.remember(buf, None, args, "sum", picked, sched)
         return buf
 
     @asyncable
@@ -316,13 +316,6 @@ class Communicator:
             refuse(collective, algo)  # an algorithm of the user's with read steps, on plain memory
         self._start(collective, algo, sched, x, y, m, op, root, blocks)
         return algo, sched
-
-    def _remember(self, buf, out, args, op, algo, sched, x, y):
-        """Remember a checked call for the fast path (known_calls.py), unless its algorithm came from
-        registered buffers or CMA, which a later call on the same arrays may decide otherwise."""
-        reg = self._registry
-        if reg is None or (algo != READ and not reg.holds(x, y)):
-            self._known.remember(buf, out, args, op, algo, sched)
 
     def _start(self, collective, algo, sched, x, y, m, op, root, blocks=None):
         """A checked call, with its algorithm and schedule chosen: number it and run it."""

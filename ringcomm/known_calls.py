@@ -10,8 +10,10 @@ arguments (the root with its type: 0.0 == 0, but only an int passed the check). 
 call checks those few attributes and goes straight to the executor, whose slice plan is cached
 too: no allocation beyond the call's record, no Python per slice.
 
-Anything else takes the checked path, which also explains every error; a registry
-(comm.alloc, or CMA on plain buffers) clears the cache, since it can change the algorithm.
+Anything else takes the checked path, which also explains every error. Making a registry
+(comm.alloc, or CMA on plain buffers) clears the cache, since it can change the algorithm of a
+call remembered before it; after that, calls on registered buffers and CMA reads are remembered
+like any other (their algorithm follows from the same keys).
 """
 from __future__ import annotations
 

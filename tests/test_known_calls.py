@@ -111,3 +111,32 @@ def test_repeated_small_all_reduce_is_fast_only_while_its_checks_still_hold():
             assert res["reshaped_ok"] and res["int_view_ok"] and res["dtype_changed_ok"], res
             assert res["small_out"].startswith("ValueError") and "expected 6" in res["small_out"], res
             assert res["freed"], res
+
+
+def _registered(comm):
+    """Registered buffers take the fast path too: small calls (FIFO algorithms) and large ones
+    (the read algorithm), each its own entry, right every time."""
+    r, n = comm.rank, comm.world_size
+    res = {}
+    for count in (16, 1 << 18):                     # 64 B and 1 MiB of float32 (READ_MIN_BYTES)
+        x = comm.alloc(count, np.float32)
+        out = comm.alloc(count * n, np.float32)
+        reads = comm._registry.engine.calls
+        before = len(comm._known.entries)
+        for i in range(3):
+            x[...] = r + i
+            comm.all_gather(x, out)
+            assert (out.reshape(n, count) == np.arange(n, dtype=np.float32)[:, None] + i).all()
+            x[...] = r + i
+            comm.all_reduce(x)
+            assert (x == n * (n - 1) / 2 + n * i).all()
+        res[count] = (len(comm._known.entries) - before, comm._registry.engine.calls - reads)
+    return res
+
+
+@pytest.mark.timeout(60)
+def test_calls_on_registered_buffers_are_remembered_and_keep_their_algorithm():
+    with World(2, {}, timeout=30) as w:
+        for res in w.run(_registered):
+            assert res[16] == (2, 0), res                 # remembered; the FIFOs below 1 MiB
+            assert res[1 << 18] == (2, 6), res            # remembered; every call read the peer
