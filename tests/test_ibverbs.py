@@ -197,6 +197,11 @@ def test_killed_rank_is_reported_not_a_hang(tmp_path):
         # A survivor may see the victim's QP fail, or its other neighbour leave because of it.
         assert re.search(rf"rank {r} \(this process\).* all_reduce #\d+ .*rank \d over ibverbs", line), line
     lines = list(errors.values())
-    assert any(f"rank {victim} over ibverbs" in x and "retry counter exceeded" in x for x in lines), out
+    # The victim's QP stops answering (retries run out, status 12), or its memory goes first: the
+    # kernel drops a dead process's registrations and QPs one by one, and a write that lands between
+    # the two is refused (status 10; seen once, with the guest's CPUs starved by a busy host). Both
+    # explanations say the process may have died.
+    assert any(f"rank {victim} over ibverbs" in x and re.search(r"status 1[02] \(.*its process died", x)
+               for x in lines), out
     assert f"rank {victim} failed first (killed by SIGKILL)" in out
     print(f"survivors reported the kill {elapsed:.1f} s after it:\n{out}")

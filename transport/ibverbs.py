@@ -46,7 +46,8 @@ HINTS = {  # ibv_wc_status -> what it means here
     12: "transport retry counter exceeded: the peer's QP stopped answering (its process died or "
         "closed, or the link went down)",
     13: "RNR retry counter exceeded: the peer posted no receive for our write",
-    10: "remote access error: a write fell outside the peer's registered slots (wrong rkey?)",
+    10: "remote access error: the peer's registered slots were gone or a write fell outside them "
+        "(its process died and the kernel dropped its memory before its QP, or a wrong rkey)",
     5: "flushed: the QP was already in error",
 }
 
