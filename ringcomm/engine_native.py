@@ -504,9 +504,10 @@ def warm_once(dtype):
         return loop
     import fcntl
     import tempfile
-    loop = kernel(dtype)
+    kind = native_kernels.storage(dtype)
+    loop = kernel(kind)
     where = getattr(getattr(loop, "_cache", None), "_cache_path", None) or tempfile.gettempdir()
-    path = os.path.join(where, f"ringcomm-engine-compile-{os.getuid()}-{native_kernels.storage(dtype).name}.lock")
+    path = os.path.join(where, f"ringcomm-engine-compile-{os.getuid()}-{kind.name}.lock")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError:
@@ -522,7 +523,7 @@ def warm_once(dtype):
                     break
                 time.sleep(0.01)
         empty_plan, conns = np.zeros((0, PEERS), np.int64), np.zeros((1, CONN_COLUMNS), np.int64)
-        a = np.zeros(1, native_kernels.storage(dtype))
+        a = np.zeros(1, kind)
         loop(empty_plan, conns, np.zeros(CTL_SIZE, np.int64), a, a)   # compiles, or loads from disk
     finally:
         if fd is not None:
