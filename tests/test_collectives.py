@@ -31,17 +31,21 @@ def world(request):
         yield w
 
 
-# Over tcp every slice is a round trip through Python (the native engine drives shm links only):
-# with 1 KiB slots the 2^20 + 3 count is ~8000 slices a chunk, 5-9 s of a 4-8 rank world's time on
-# 2 cores. The large count still runs over tcp in the 2- and 3-rank worlds, and in every shm world;
-# the slicing it exercises is the executor's, the same whatever the transport.
-def big_cases(world) -> int:
-    return 0 if world.transport == "tcp" and world.n >= 4 else 1
+# The 2^20 + 3 count with 1 KiB slots is ~8000 slices a chunk, and over shm each case runs on
+# both engines, the Python one ~5 us a slice. Over tcp every slice is a round trip through Python
+# (the native engine drives shm links only): 5-9 s of a 4-8 rank world's time on 2 cores. So the
+# large count runs in every 2- and 3-rank world, and in the first seed's cases of the larger shm
+# worlds (all three seeds of the 4-8 rank shm worlds: 35 s of CPU, 9 without the large count).
+# The slicing it exercises is the executor's, the same whatever the transport or world size.
+def big_cases(world, seed) -> int:
+    if world.n < 4:
+        return 1
+    return 1 if world.transport == "shm" and seed == 1 else 0
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_matrix(world, seed):
-    cases = sample_cases(world.n, seed=1000 * seed + world.n, big=big_cases(world))
+    cases = sample_cases(world.n, seed=1000 * seed + world.n, big=big_cases(world, seed))
     failures = world.run(run_cases_on_engines, cases, timeout=240)
     assert failures == [[]] * world.n, "\n".join(f for per_rank in failures for f in per_rank)
 
