@@ -11,12 +11,19 @@ def native_kernels_compiled(request):
     """Compile the native engine's loop once, here, into numba's disk cache (~45 s of CPU on a
     fresh checkout, ~1 s to load once cached), so that the ranks of every world load it instead of each
     compiling it at its first call -- which, with a short RINGCOMM_TIMEOUT, looks like a stall.
+    Then start the forkserver that the worlds' ranks fork from (tests/harness.py).
 
-    Only where the session runs a test that may reach it: the native engine takes shm links only,
-    so a session of `rdma` tests alone (CI's Soft-RoCE guest, where numba compiles under an
-    emulated CPU for minutes) never does, nor one of `no_ranks` tests (the CUDA simulator's
-    kernel checks, which test_kernels_device.py runs in a pytest of their own)."""
-    if all(item.get_closest_marker("rdma") or item.get_closest_marker("no_ranks") for item in request.session.items):
+    Only where the session runs a test that may reach the loop: the native engine takes shm links
+    only, so a session of `rdma` tests alone (CI's Soft-RoCE guest, where numba compiles under an
+    emulated CPU for minutes) never does; its ranks fork from a server without the loop. A session
+    of `no_ranks` tests (the CUDA simulator's kernel checks, which test_kernels_device.py runs in a
+    pytest of their own) starts no ranks at all."""
+    items = request.session.items
+    if all(item.get_closest_marker("no_ranks") for item in items):
+        return
+    import harness
+    if all(item.get_closest_marker("rdma") or item.get_closest_marker("no_ranks") for item in items):
+        harness.start_forkserver(engine=False)
         return
     from ringcomm.engine_native import warm
     from ringcomm.kernels.host import SUPPORTED_DTYPES
@@ -26,5 +33,4 @@ def native_kernels_compiled(request):
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     order = list(SUPPORTED_DTYPES)
     warm(order[::-1] if int(worker[2:] or 0) % 2 else order)
-    import harness
     harness.start_forkserver()  # its ranks then load the loop from what this just compiled

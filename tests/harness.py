@@ -14,6 +14,7 @@ import glob
 import multiprocessing as mp
 import os
 import secrets
+import sys
 import time
 import traceback
 
@@ -24,37 +25,61 @@ SPAWN = mp.get_context("spawn")
 # A fresh rank pays ~1 s of CPU before its first call (Python, numpy, ringcomm, and numba loading the
 # native engine's loop from its disk cache), most of a small test's time on 2 cores. With the forkserver,
 # ranks fork from one process that has paid it once (tests/rank_preload.py). conftest.py starts it
-# for sessions that compile the loop anyway; elsewhere (CI's Soft-RoCE guest) ranks are spawned.
+# for every session that starts ranks.
 FORKSERVER = mp.get_context("forkserver")
 _forkserver_env: dict | None = None  # the environment the forkserver started with
+PRELOAD_ENGINE = "RINGCOMM_TESTS_PRELOAD_ENGINE"   # tells rank_preload.py whether to load the loops
 
 
-def start_forkserver() -> None:
-    """Start the forkserver now (before any test counts this process's fds) with the rank preload."""
+def start_forkserver(engine: bool = True) -> None:
+    """Start the forkserver now (before any test counts this process's fds) with the rank preload:
+    with the native engine's loops, or (``engine=False``) without them, for sessions whose links
+    never run it (CI's Soft-RoCE guest, where compiling them would take minutes)."""
     global _forkserver_env
     from multiprocessing import forkserver
     FORKSERVER.set_forkserver_preload(["rank_preload"])
     # Python 3.11's forkserver ignores the sys.path it is handed and swallows the ImportError, so
     # the server finds tests/ through PYTHONPATH (its own environment only: restored at once).
-    here, saved = os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, saved) if p)
+    here = os.path.dirname(os.path.abspath(__file__))
+    server_env = {"PYTHONPATH": os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p),
+                  PRELOAD_ENGINE: "1" if engine else "0"}
+    saved = {k: os.environ.get(k) for k in server_env}
+    os.environ.update(server_env)
     try:
         forkserver.ensure_running()
     finally:
-        if saved is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = saved
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
     _forkserver_env = dict(os.environ)
+
+
+# numba reads its NUMBA_* variables when imported, and the forkserver's preload imports numba. The
+# CUDA simulator's switch is the exception the ranks can set after the fork: numba.cuda, which
+# reads it, is not imported by the preload, so a forked rank re-reads numba's configuration
+# (_use_numba_env) and then imports the simulator (~0.2 s of CPU, where a spawned rank paid ~1 s).
+SET_AFTER_FORK = {"NUMBA_ENABLE_CUDASIM"}
 
 
 def _context(env: dict):
     """The forkserver, unless this world's environment differs from the server's in a variable that
-    the preloaded modules read when imported (numba's NUMBA_*, e.g. its CUDA simulator): then spawn."""
+    the preloaded modules read when imported (numba's NUMBA_*, but SET_AFTER_FORK): then spawn."""
     if _forkserver_env is None:
         return SPAWN
-    keys = {k for k in (*env, *_forkserver_env) if k.startswith("NUMBA_")}
+    keys = {k for k in (*env, *_forkserver_env) if k.startswith("NUMBA_") and k not in SET_AFTER_FORK}
     return FORKSERVER if all(env.get(k) == _forkserver_env.get(k) for k in keys) else SPAWN
+
+
+def _use_numba_env() -> None:
+    """In a rank forked from the forkserver: numba's configuration from this rank's environment."""
+    if "numba" not in sys.modules:   # spawned: numba reads it when first imported
+        return
+    from numba.core import config
+    if bool(int(os.environ.get("NUMBA_ENABLE_CUDASIM") or 0)) != bool(config.ENABLE_CUDASIM):
+        assert "numba.cuda" not in sys.modules, "the forkserver imported numba.cuda: spawn such worlds"
+        config.reload_config()
 
 
 class WorldError(AssertionError):
@@ -64,6 +89,7 @@ class WorldError(AssertionError):
 def _worker(rank, n, port, token, env, conn, rank0_hosts_store=False):
     os.environ.clear()  # the test's whole environment: a forked rank starts with the forkserver's
     os.environ.update(env)
+    _use_numba_env()
     import ringcomm
     if rank0_hosts_store:  # MASTER_ADDR, MASTER_PORT and RINGCOMM_TOKEN are in env
         store = None
