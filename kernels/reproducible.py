@@ -46,6 +46,7 @@ BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 # name it as a module global, which is what the simulator swaps for its per-thread grid; the host
 # bodies never reach it (DEVICE is a constant, numba prunes the branch).
 cuda = None
+host_clz = None   # LLVM's count-leading-zeros, for the host's decode kernels (make_decode)
 MAX_WORLD = 1024                        # 2^10: the headroom every format's lower limbs keep
 
 
@@ -174,9 +175,13 @@ def make_decode(fmt: Format, DEVICE: bool, clz=None):
     """out <- the summed limbs of each element, rounded once to nearest, ties to even. out is the bit view."""
     # Count leading zeros of an int64 (64 for 0): cuda.clz on a GPU, else clz (the simulator's twin)
     # or, on the host, LLVM's ctlz.
-    GPU_CLZ = DEVICE and clz is None
-    if clz is None and not DEVICE:
-        from numba.cpython.unsafe.numbers import leading_zeros as clz
+    # On the host, LLVM's ctlz is a module global, not a closure cell: numba keys a closure's disk
+    # cache entry by its cells' pickled values, and an intrinsic's differ in every process (each one
+    # compiled decode again, ~0.6 s a dtype, and added an entry to the index: 2479 of them, 3 MB).
+    global host_clz
+    GPU_CLZ, HOST_CLZ = DEVICE and clz is None, not DEVICE
+    if HOST_CLZ and host_clz is None:
+        from numba.cpython.unsafe.numbers import leading_zeros as host_clz
     EB, M, Q, F, NL, B = fmt.EB, fmt.M, fmt.Q, fmt.F, fmt.NL, fmt.B
     EXPALL = 2 ** EB - 1
     INF, QNAN = EXPALL << M, (EXPALL << M) | (1 << (M - 1))
@@ -219,6 +224,8 @@ def make_decode(fmt: Format, DEVICE: bool, clz=None):
             w = hi if big else lo
             if GPU_CLZ:
                 lz = cuda.clz(w)
+            elif HOST_CLZ:
+                lz = host_clz(w)
             else:
                 lz = clz(w)
             nb = (L if big else 0) + 64 - lz    # its bit length

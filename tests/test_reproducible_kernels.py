@@ -6,6 +6,8 @@ what any schedule does; tests/test_reproducible.py runs the real collectives.
 """
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -167,3 +169,33 @@ def test_float64_two_ranks_need_the_limbs():
     assert not R.format_of(np.float64).one_add_suffices
     a, b = np.array([1.0]), np.array([2.0 ** -53 + 2.0 ** -104])
     assert simulated([a, b])[0] == 1.0 and (a + b)[0] == 1.0 + 2.0 ** -52
+
+
+LOAD_KERNELS = """
+import json, sys
+import numpy as np
+from ringcomm.kernels import reproducible as R
+dt = np.dtype(np.float32)
+fmt, x, codes = R.format_of(dt), np.ones(4, dt), np.zeros(4, np.uint8)
+limbs = np.zeros(fmt.NL * x.size, fmt.limb)
+R.exponent_codes(x, codes), R.encode(x, codes, limbs), R.decode(limbs, codes, x), R.canonical(x)
+stats = {}
+for name in ("codes", "encode", "decode", "canon"):
+    s = R._host(name, dt).stats
+    stats[name] = [sum(s.cache_hits.values()), sum(s.cache_misses.values())]
+json.dump(stats, sys.stdout)
+"""
+
+
+def test_host_kernels_load_from_numbas_disk_cache_in_a_new_process(tmp_path):
+    """A second process loads the four kernels (float32's) from the disk cache. (The decode kernels
+    once captured LLVM's ctlz in a closure cell, whose pickled value differs in every process: each
+    process compiled them again, ~0.6 s a dtype, and added an entry to the cache index.)"""
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    runs = [json.loads(subprocess.run([sys.executable, "-c", LOAD_KERNELS], env=env, check=True, timeout=120,
+                                      capture_output=True, text=True).stdout) for _ in range(2)]
+    assert len(runs[1]) == 4 and all(hits_misses == [1, 0] for hits_misses in runs[1].values()), runs[1]
+    assert all(misses == 1 for _, misses in runs[0].values()), runs[0]
