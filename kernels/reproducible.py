@@ -301,6 +301,17 @@ def _host(name: str, dt: np.dtype):
     return k
 
 
+def compile_host(dt) -> None:
+    """Compile (or load from numba's disk cache) the four host kernels of ``dt``: what a process
+    that has many ranks coming can do once, before they would each compile them at first use."""
+    fmt, x, codes = format_of(dt), np.ones(4, dt), np.zeros(4, np.uint8)
+    limbs = np.zeros(fmt.NL * x.size, fmt.limb)
+    exponent_codes(x, codes)
+    encode(x, codes, limbs)
+    decode(limbs, codes, x)
+    canonical(x)
+
+
 def format_of(dt) -> Format:
     dt = np.dtype(dt)
     fmt = FORMATS.get(dt)

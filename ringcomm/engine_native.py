@@ -450,14 +450,14 @@ class NativeEngine:
         ctl[NEXT] = 0
         ctl[SPIN] = self.short if self.stacked else self.first
         x, rounds, where = self.x, 0, -1
-        try:
-            status = loop(plan.table, self.conns, ctl, inp, out)
-        except TypeError:   # buffers of a type the loop was not compiled for (warm_once): not here
-            return False
-        while status != DONE:
+        while loop(plan.table, self.conns, ctl, inp, out) != DONE:
+            status = ctl[STATUS]
+            if status == YIELD:
+                continue
             if status == WAKE:
                 self._wake(plan.table[ctl[CONN]], plan.maxsrc)
-            elif status != YIELD and status != BAD_SIZE and rounds < self.rounds:
+                continue
+            if status != BAD_SIZE and rounds < self.rounds:
                 if ctl[NEXT] != where:          # progress since the last round: a new wait
                     rounds, where = 0, ctl[NEXT]
                 long_round = ctl[SPIN] == self.spin
@@ -466,18 +466,17 @@ class NativeEngine:
                 ctl[SPIN] = self.short if self.stacked else self.spin
                 if self.stacked or long_round:  # after a short first round, a free peer: poll on
                     os.sched_yield()
-            elif status != YIELD:
-                rounds = 0
-                ctl[SPIN] = self.short if self.stacked else self.first
-                entry = plan.entries[ctl[NEXT]]
-                x._step = entry[0]
-                conn = self.objs[ctl[CONN]]
-                conn.count = int(self.conns[ctl[CONN], COUNT])
-                if status == BLOCKED_SEND:
-                    x._acquire(conn.peer, conn, call, entry[8])
-                else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
-                    x._wait(conn.peer, conn, call, entry[5], entry[8])
-            status = loop(plan.table, self.conns, ctl, inp, out)
+                continue
+            rounds = 0
+            ctl[SPIN] = self.short if self.stacked else self.first
+            entry = plan.entries[ctl[NEXT]]
+            x._step = entry[0]
+            conn = self.objs[ctl[CONN]]
+            conn.count = int(self.conns[ctl[CONN], COUNT])
+            if status == BLOCKED_SEND:
+                x._acquire(conn.peer, conn, call, entry[8])
+            else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
+                x._wait(conn.peer, conn, call, entry[5], entry[8])
         return True
 
     def _wake(self, row, maxsrc) -> None:
@@ -529,9 +528,8 @@ def warm_once(dtype):
         loop(empty_plan, conns, np.zeros(CTL_SIZE, np.int64), a, out)   # compiles, or loads from disk
         # One version per type: its input is typed read-only, which a writable input converts to
         # at call time once no new version may be compiled. (Before, the first read-only input a
-        # process met compiled a second copy of the loop, ~5 s.) A buffer type that does not
-        # convert would go to the reference engine (NativeEngine.run); none that the API lets
-        # through was found (unaligned buffers convert).
+        # process met compiled a second copy of the loop, ~5 s.) Unaligned buffers convert too;
+        # the API lets through only native-order 1-D contiguous arrays of the supported types.
         loop.disable_compile()
     finally:
         if fd is not None:

@@ -51,9 +51,4 @@ def _compile_what_ranks_share():
     if stream_copy.kernel():
         stream_copy.kernel()(np.zeros(64, np.uint8), np.ones(64, np.uint8))
     for dt in reproducible.DTYPES:
-        fmt, x, codes = reproducible.format_of(dt), np.ones(4, dt), np.zeros(4, np.uint8)
-        limbs = np.zeros(fmt.NL * x.size, fmt.limb)
-        reproducible.exponent_codes(x, codes)
-        reproducible.encode(x, codes, limbs)
-        reproducible.decode(limbs, codes, x)
-        reproducible.canonical(x)
+        reproducible.compile_host(dt)

@@ -10,7 +10,8 @@ import numba  # noqa: F401  (numba.cuda is left to the ranks: harness.SET_AFTER_
 import numpy  # noqa: F401
 
 import ringcomm  # noqa: F401
+from harness import PRELOAD_ENGINE
 
-if os.environ.get("RINGCOMM_TESTS_PRELOAD_ENGINE", "1") == "1":
+if os.environ.get(PRELOAD_ENGINE, "1") == "1":
     from ringcomm.engine_native import warm
     warm()

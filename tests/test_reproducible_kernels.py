@@ -176,9 +176,7 @@ import json, sys
 import numpy as np
 from ringcomm.kernels import reproducible as R
 dt = np.dtype(np.float32)
-fmt, x, codes = R.format_of(dt), np.ones(4, dt), np.zeros(4, np.uint8)
-limbs = np.zeros(fmt.NL * x.size, fmt.limb)
-R.exponent_codes(x, codes), R.encode(x, codes, limbs), R.decode(limbs, codes, x), R.canonical(x)
+R.compile_host(dt)
 stats = {}
 for name in ("codes", "encode", "decode", "canon"):
     s = R._host(name, dt).stats
