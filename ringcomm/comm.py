@@ -371,9 +371,9 @@ class Communicator:
 
     def _execute_now(self, sched, call, engine=None):
         """Run one call (``engine``: default the host executor or the device path; a group passes
-        its own), refused on a broken communicator; a failure breaks it. The caller holds the
-        progress token (every call does: ringcomm/progress.py), so abort() cannot close the links
-        under it."""
+        its own), refused on a broken communicator; a failure, or any exception once bytes have
+        moved, breaks it. The caller holds the progress token (every call does:
+        ringcomm/progress.py), so abort() cannot close the links under it."""
         if engine is None:
             engine = self._executor if isinstance(call.inp, np.ndarray) else self._device_path(call)
         if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
@@ -384,14 +384,36 @@ class Communicator:
         except RingcommError as e:
             # A failed collective leaves peers and FIFOs in an unknown state: refuse later
             # calls, and close the links so the peers waiting on this rank learn it now.
-            with self._lock:
-                self._broken = self._broken or str(e)
-            self._close_links()
+            self._break(str(e))
             if self._owns_store and self.rank == 0 and self._executor.watchdog is not None:
                 # This process hosts the store: keep it up while the others report (at exit,
                 # so a program that catches the error loses no time).
                 atexit.register(self._executor.watchdog.linger)
             raise
+        except BaseException as e:
+            # Anything else that stops a call once bytes have moved (Ctrl-C, an exception from a
+            # signal handler) leaves it half done: the next call would take this one's slices in
+            # the FIFOs for its own and return wrong numbers without a word. So it breaks the
+            # communicator as a failure does. Argument errors raised before the executor started
+            # (a device buffer on another GPU, say) leave it usable.
+            moved = self._started(sched if call is None else [(sched, call)])
+            if moved is not None:
+                self._break(f"{moved.name} #{moved.seq} was interrupted by {type(e).__name__} after it "
+                            f"had started moving data")
+            raise
+
+    def _started(self, members):
+        """Which of ``members`` [(schedule, Call)] an executor has started, if any: the host
+        executor and the device path's each set ``_call`` just before a call's first byte moves."""
+        executors = [self._executor] + ([self._device.executor] if self._device is not None else [])
+        return next((call for _, call in members for x in executors if x._call is call), None)
+
+    def _break(self, reason: str) -> None:
+        """Refuse every later call (the first reason stays), and close the links so that peers
+        waiting on this rank learn it now."""
+        with self._lock:
+            self._broken = self._broken or reason
+        self._close_links()
 
     def _close_links(self):
         """After a failure or abort(): close the links, and mark this rank's registered buffers as

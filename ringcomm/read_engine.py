@@ -68,6 +68,7 @@ class ReadEngine:
     def run(self, ex, sched, call) -> None:
         """Run a "read" schedule (one round: the whole buffer) on registered buffers, or on plain ones
         that the peers read by CMA (plain_read.py)."""
+        ex._call, ex._nsteps = call, len(sched.steps)   # first: from the CALLS store on, peers may read
         words = self.reg.ctl.words
         # Each address once per call (address() costs ~1 us of Python: a 16 KiB call's CMA read is ~7).
         ain = address(call.inp)
@@ -77,7 +78,6 @@ class ReadEngine:
         self.calls += 1
         self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
         views: dict = {}
-        ex._call, ex._nsteps = call, len(sched.steps)
         reduces, spans = self._plan(sched, call.m)
         if not reduces:   # copy-only: no kernel, no errstate
             self._steps(ex, sched, call, None, views, ain, aout, spans)

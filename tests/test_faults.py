@@ -225,3 +225,61 @@ def test_abort_wakes_the_wait_and_closes_the_communicator():
     assert elapsed < 5, f"abort took {elapsed:.1f} s to wake the wait"
     assert "rank 0 (this process) was aborted" in first, first
     assert "comm.abort() was called" in second, second
+
+
+def _interrupted_then_go_on(comm, registered):
+    """Rank 0 is interrupted (Ctrl-C, here a SIGALRM handler raising KeyboardInterrupt) inside an
+    all_reduce that rank 1 enters only afterwards; then each rank calls again. Returns what each
+    call did: it must be an error, never a result."""
+    # 1 MiB: registered, it takes the one-copy read schedule; its slices are all full, so a call
+    # that takes an earlier call's slices finds every size as it expects
+    count = (1 << 20) // 4
+    x = comm.alloc(count, np.float32) if registered else np.ones(count, np.float32)
+    x[...] = 1
+    comm.all_reduce(x)            # connected and warm
+    if comm.rank == 1:
+        comm._store.wait(["faults/interrupted"], 30)
+        return [_outcome(comm, x, 1), _outcome(comm, x, 10)]
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    old = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)   # rank 1 is held back: this call cannot finish first
+    try:
+        x[...] = 1
+        comm.all_reduce(x)
+        first = "returned"
+    except KeyboardInterrupt:
+        first = "KeyboardInterrupt"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    comm._store.set("faults/interrupted", b"1")
+    return [first, _outcome(comm, x, 10)]
+
+
+def _outcome(comm, x, value):
+    x[...] = value
+    try:
+        comm.all_reduce(x)
+    except ringcomm.RingcommError as e:
+        return f"{type(e).__name__}: {e}"
+    return f"returned {np.unique(x)}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["native", "python", "tcp", "registered"])
+def test_interrupted_call_breaks_the_communicator_instead_of_corrupting_the_next(where):
+    # Before, the communicator stayed usable after the interrupt: rank 1's first call took the
+    # interrupted call's slices for its own and returned 2, 10 and 12 mixed where 2 was due, rank 0's
+    # next call 2, 11 and 12 where 20 was due, and nothing raised.
+    env = {"native": {}, "python": {"RINGCOMM_ENGINE": "python"}, "tcp": {"RINGCOMM_TRANSPORT": "tcp"},
+           "registered": {}}[where]
+    with World(2, {**FAULT_ENV, **env}, timeout=TIMEOUT) as world:
+        (first, later), (one, two) = world.run(_interrupted_then_go_on, where == "registered", timeout=40)
+    assert first == "KeyboardInterrupt", first
+    assert later.startswith("CommunicatorClosed") and "all_reduce #" in later and \
+        "interrupted by KeyboardInterrupt" in later, later
+    for text in (one, two):   # rank 1: its peer left mid-call; nothing returns a mixture
+        assert not text.startswith("returned"), (one, two)
+    assert re.search(r"rank 1 \(this process\).*rank 0", one), one
