@@ -244,9 +244,9 @@ def _interrupted_then_go_on(comm, registered):
     def interrupt(signum, frame):
         raise KeyboardInterrupt
     old = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)   # rank 1 is held back: this call cannot finish first
+    x[...] = 1
+    signal.setitimer(signal.ITIMER_REAL, 0.5)   # rank 1 is held back: this call cannot finish first
     try:
-        x[...] = 1
         comm.all_reduce(x)
         first = "returned"
     except KeyboardInterrupt:
