@@ -5,6 +5,7 @@ import atexit
 import functools
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -20,6 +21,10 @@ from .registered import refuse, settle
 from .schedule.onecopy import ALGO as READ
 from .schedule import p2p
 from .progress import Progress, asyncable
+
+# This process's communicators, so that a forked child can disown them (_after_fork_in_child).
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
 
 class Communicator:
     """A group of ranks that run collectives together. Make one with ringcomm.init().
@@ -50,6 +55,9 @@ class Communicator:
         self._known = KnownCalls()  # small calls repeated on the same arrays (known_calls.py)
         self._scratch: dict = {}  # reproducible mode's codes and limbs, kept between calls
         self._progress = Progress(rank, self._execute_now, self.abort)  # where calls run, in order
+        self._pid = os.getpid()
+        self._forked = False   # True in a forked child: the links, segments and store are the parent's
+        _LIVE.add(self)
 
     # ---- collectives -------------------------------------------------------------------------
 
@@ -262,6 +270,9 @@ class Communicator:
         """Release connections, segments and (on the rank that hosts it) the store."""
         if self._closed:
             return
+        if self._forked:     # all of it is the parent's, which goes on using it: let go, touch nothing
+            self._closed = True
+            return
         self._progress.close(self.timeout)  # queued calls finish first, within the timeout
         self._closed = True
         self._scratch.clear()
@@ -418,6 +429,8 @@ class Communicator:
     def _close_links(self):
         """After a failure or abort(): close the links, and mark this rank's registered buffers as
         left, so peers waiting in a call on them (which read no link) learn it now too."""
+        if self._forked:
+            return
         self._links.close()
         if self._registry is not None:
             self._registry.leave()
@@ -432,6 +445,8 @@ class Communicator:
         if self._closed:
             raise CommunicatorClosed(f"rank {self.rank}: the communicator is closed")
         if self._broken is not None:
+            if self._forked:
+                raise CommunicatorClosed(f"rank {self.rank}: {self._broken}")
             raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable after an earlier "
                                      f"error: {self._broken}")
         self._seq += 1
@@ -480,3 +495,17 @@ def _aliases_ok(x, y, name, rank) -> bool:
     if name == "reduce_scatter":
         return yp == xp + rank * y.nbytes
     return xp == yp and x.size == y.size
+
+
+def _after_fork_in_child() -> None:
+    """In the child of an os.fork(): every communicator of the parent refuses calls, and its
+    close() (a ``with`` block's end, torch's exit hook) lets go of the links, segments and store
+    without touching them. Before, a plain fork's child that ended normally closed the parent's
+    communicator at exit, and the job's next collective failed on every rank."""
+    for comm in list(_LIVE):
+        comm._forked = True
+        comm._broken = (f"rank {comm.rank}'s communicator was made in process {comm._pid}, and this process "
+                        f"({os.getpid()}) is a fork of it: its links belong to the parent. Make a new one here")
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

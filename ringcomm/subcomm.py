@@ -110,6 +110,8 @@ def shrink(comm, exclude):
     excluded = check_exclude(exclude, comm.rank, comm.world_size)
     if comm._closed:
         raise CommunicatorClosed(f"rank {comm.rank}: shrink on a closed communicator")
+    if comm._forked:  # the roster would count this process as the parent's rank
+        raise CommunicatorClosed(f"rank {comm.rank}: shrink in a forked child: {comm._broken}")
     deadline = time.monotonic() + comm.timeout
     what = f"shrink(exclude={sorted(excluded)})"
     if comm.world_size == 1:

@@ -283,3 +283,49 @@ def test_interrupted_call_breaks_the_communicator_instead_of_corrupting_the_next
     for text in (one, two):   # rank 1: its peer left mid-call; nothing returns a mixture
         assert not text.startswith("returned"), (one, two)
     assert re.search(r"rank 1 \(this process\).*rank 0", one), one
+
+
+def _fork_a_child(comm):
+    """Rank 0 forks a child that tries a collective, then ends as a program does: comm.close()
+    (a ``with`` block's end, torch's exit hook) and ringcomm's at-exit unlink of its /dev/shm names.
+    The parent and its peer then use a registered buffer (made before the fork, not yet mapped by
+    the peer) and a plain one. Returns (what the child's collective said, the results)."""
+    from ringcomm.transport import shm
+    x = np.ones(1000, np.float32)
+    comm.all_reduce(x)
+    reg = comm.alloc((1 << 20) // 4, np.float32)   # named in /dev/shm until the peer maps it
+    said = ""
+    if comm.rank == 0:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                try:
+                    comm.all_reduce(x)
+                    text = "returned"
+                except ringcomm.CommunicatorClosed as e:
+                    text = str(e)
+                comm.close()
+                shm.unlink_named()
+                os.write(w, text.encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.waitpid(pid, 0)
+        said = os.read(r, 4096).decode()
+        os.close(r)
+    reg[...] = comm.rank + 1
+    comm.all_reduce(reg)
+    x[...] = comm.rank + 1
+    comm.all_reduce(x)
+    return said, float(reg.min()), float(reg.max()), float(x.min()), float(x.max())
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_can_neither_use_nor_close_the_parents_communicator():
+    # Before, the child's collective ran on the parent's FIFOs, and its close() at exit closed the
+    # parent's links and unlinked its segments' names: the job's next collective failed everywhere.
+    with World(2, FAULT_ENV, timeout=TIMEOUT) as world:
+        (said, *got0), (_, *got1) = world.run(_fork_a_child, timeout=40)
+    assert said.startswith("rank 0: rank 0's communicator was made in process") and "is a fork of it" in said, said
+    assert got0 == got1 == [3.0] * 4, (got0, got1)

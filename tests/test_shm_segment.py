@@ -72,3 +72,21 @@ def test_a_file_system_without_fallocate_still_gets_a_segment(monkeypatch):
     finally:
         seg.unlink()
         seg.close()
+
+
+def test_a_forked_child_leaves_the_parents_names_in_dev_shm():
+    # A name stays until the peer maps its segment. A child forked meanwhile did not make it, and its
+    # exit (unlink_named runs at exit) must not take it from the peer that has yet to open it.
+    path = f"/dev/shm/{_name()}"
+    open(path, "w").close()
+    shm.track(path)
+    try:
+        pid = os.fork()
+        if pid == 0:
+            shm.unlink_named()
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert os.path.exists(path)
+    finally:
+        shm.unlink_tracked(path)
+    assert not os.path.exists(path)

@@ -52,6 +52,9 @@ if platform.machine() not in ("x86_64", "AMD64", "i686", "i386"):  # pragma: no 
 # Segments this process created whose names are still in /dev/shm: unlinked on
 # close, when the peer maps them, at exit, and on SIGTERM (see ringcomm.init).
 _NAMED: set[str] = set()
+# A forked child did not create them: at its exit it must not unlink the names a peer of the
+# parent may still have to open.
+os.register_at_fork(after_in_child=_NAMED.clear)
 
 
 def unlink_named() -> None:
