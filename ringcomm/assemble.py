@@ -11,7 +11,9 @@ import time
 
 from ringcomm.transport.base import LinkContext
 
+from . import check
 from .env import env_number, oversubscribed
+from .errors import RingcommError
 from .executor import Executor
 from .links import Links
 from .roster import Roster
@@ -73,18 +75,60 @@ def assemble(cls, rank, world_size, local_rank, store, owns_store, timeout, toke
                       nslots=nslots, slot_bytes=slot_bytes, abort=threading.Event(), watchdog=watchdog,
                       spins=spins(world_size))
     links = Links(ctx, timeout)
+    how = engine()
+    slice_bytes = env_number("RINGCOMM_SLICE", DEFAULT_SLICE, int)
     roster = None
     if world_size > 1:
         roster = Roster(rank, world_size, links.me)
         try:
-            roster.join(store, ctx.prefix, time.monotonic() + timeout if deadline is None else deadline)
+            roster.join(store, ctx.prefix, time.monotonic() + timeout if deadline is None else deadline,
+                        settings(how, nslots, slot_bytes, slice_bytes))
+            problem = settings_differ(roster.entries, rank)
+            if problem:
+                # Every rank read the same entries and raises the same error; the rank that hosts
+                # the store keeps it up until all have read them (else they would report a lost store).
+                key = f"{ctx.prefix}/settings_read"
+                try:
+                    if store.add(key, 1) == world_size:
+                        store.set(f"{key}/all", b"1")
+                    if owns_store:
+                        store.wait([f"{key}/all"], timeout=min(timeout, 10.0))
+                except (RingcommError, OSError):
+                    pass
+                raise ValueError(problem)
         except BaseException:
             roster.close()
             links.close()
             raise
-    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots, engine=engine(),
-                        slice_bytes=env_number("RINGCOMM_SLICE", DEFAULT_SLICE, int),
-                        spin_s=NATIVE_SPIN_S if ctx.spins else 0.0)
+    executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots, engine=how,
+                        slice_bytes=slice_bytes, spin_s=NATIVE_SPIN_S if ctx.spins else 0.0)
     executor.watchdog, watchdog.position = watchdog, executor.position
     return cls(rank, world_size, local_rank, store, links, executor,
                timeout=timeout, owns_store=owns_store, prefix=ctx.prefix, roster=roster)
+
+
+def settings(how: str, nslots: int, slot_bytes: int, slice_bytes: int) -> dict:
+    """What every rank of a communicator must set alike, as this rank has it: how a call is cut
+    into slices and slots (a peer that cuts it otherwise reads a slice of the wrong size), the
+    forced algorithm, where plain buffers switch to CMA reads (a collective probe) and the debug
+    check (an extra collective per call). Keyed by the knobs that set them."""
+    cut = min(slice_bytes or slot_bytes, slot_bytes) if how == "native" else slot_bytes
+    return {"RINGCOMM_BUFFSIZE, RINGCOMM_NSLOTS": f"{nslots} slots of {slot_bytes} bytes",
+            "RINGCOMM_ENGINE, RINGCOMM_SLICE": f"slices of {cut} bytes on shm ({how} engine)",
+            "RINGCOMM_ALGO": os.environ.get("RINGCOMM_ALGO", "").strip().lower() or "(automatic)",
+            "RINGCOMM_CMA_MIN": str(env_number("RINGCOMM_CMA_MIN", None, int) or "(default)"),
+            "RINGCOMM_DEBUG=check": "on" if check.enabled() else "off"}
+
+
+def settings_differ(entries: list[dict], rank: int) -> str | None:
+    """If the ranks' settings() differ, the error every rank raises: the knobs, and the first rank
+    whose values are not rank 0's."""
+    first = entries[0].get("settings", {})
+    for r, entry in enumerate(entries[1:], 1):
+        theirs = entry.get("settings", {})
+        differ = [k for k in first if theirs.get(k) != first[k]]
+        if differ:
+            lines = "; ".join(f"{k} (rank 0: {first[k]}; rank {r}: {theirs.get(k)})" for k in differ)
+            return (f"rank {rank} (this process): every rank of a communicator must set these alike, "
+                    f"and rank {r} does not: {lines}")
+    return None

@@ -42,9 +42,10 @@ class Roster:
         self.sock = socket.create_server((addr, 0), backlog=BACKLOG)
         self.address = f"{addr}:{self.sock.getsockname()[1]}"
 
-    def join(self, store, prefix: str, deadline: float) -> None:
-        """Publish this rank's entry, then read every rank's (waiting for them until ``deadline``)."""
-        mine = {"addr": self.address, "pid": os.getpid(), "host": self.host}
+    def join(self, store, prefix: str, deadline: float, settings: dict | None = None) -> None:
+        """Publish this rank's entry, then read every rank's (waiting for them until ``deadline``).
+        ``settings``: this rank's values of what every rank must set alike (assemble.settings)."""
+        mine = {"addr": self.address, "pid": os.getpid(), "host": self.host, "settings": settings or {}}
         store.set(f"{prefix}/roster/{self.rank}", json.dumps(mine))
         entries = []
         for r in range(self.world_size):

@@ -325,3 +325,29 @@ def test_bad_job_id_refused(monkeypatch, capsys):
     monkeypatch.setenv("RINGCOMM_JOB_ID", "../x")
     assert launch.main(["x.py"]) == 2
     assert "RINGCOMM_JOB_ID" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("knob, value, named", [
+    ("RINGCOMM_ENGINE", "python", "RINGCOMM_ENGINE, RINGCOMM_SLICE (rank 0: slices of 524288 bytes"),
+    ("RINGCOMM_BUFFSIZE", "65536", "RINGCOMM_BUFFSIZE, RINGCOMM_NSLOTS (rank 0: 8 slots of 8192 bytes"),
+    ("RINGCOMM_DEBUG", "check", "RINGCOMM_DEBUG=check (rank 0: on; rank 1: off)"),
+])
+def test_ranks_set_differently_fail_at_init_naming_the_setting(tmp_path, knob, value, named):
+    # Before, the first collective failed with "mmap length is greater than file size" (buffsize),
+    # blamed "different collectives or sizes" (slices), or ran a check only one rank took part in.
+    script = write_script(tmp_path, f"""
+        import os
+        if os.environ["RANK"] == "0":
+            os.environ[{knob!r}] = {value!r}
+        import ringcomm
+        try:
+            ringcomm.init()
+        except ValueError as e:
+            print(e)
+    """)
+    r = run(["-n", 2, script])
+    for rank in (0, 1):
+        said = [line for line in r.stdout.splitlines() if line.startswith(f"[rank {rank}]")]
+        assert said and "every rank of a communicator must set these alike, and rank 1 does not" in said[0] \
+            and named in said[0], r.stdout + r.stderr
