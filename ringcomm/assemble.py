@@ -111,13 +111,15 @@ def settings(how: str, nslots: int, slot_bytes: int, slice_bytes: int) -> dict:
     """What every rank of a communicator must set alike, as this rank has it: how a call is cut
     into slices and slots (a peer that cuts it otherwise reads a slice of the wrong size), the
     forced algorithm, where plain buffers switch to CMA reads (a collective probe) and the debug
-    check (an extra collective per call). Keyed by the knobs that set them."""
+    check (an extra collective per call). Keyed by the knobs that set them; "engine" is only said."""
     cut = min(slice_bytes or slot_bytes, slot_bytes) if how == "native" else slot_bytes
     return {"RINGCOMM_BUFFSIZE, RINGCOMM_NSLOTS": f"{nslots} slots of {slot_bytes} bytes",
-            "RINGCOMM_ENGINE, RINGCOMM_SLICE": f"slices of {cut} bytes on shm ({how} engine)",
+            # compared as the slice they give: a python and a native engine with equal slices agree
+            "RINGCOMM_ENGINE, RINGCOMM_SLICE": f"slices of {cut} bytes on shm",
             "RINGCOMM_ALGO": os.environ.get("RINGCOMM_ALGO", "").strip().lower() or "(automatic)",
             "RINGCOMM_CMA_MIN": str(env_number("RINGCOMM_CMA_MIN", None, int) or "(default)"),
-            "RINGCOMM_DEBUG=check": "on" if check.enabled() else "off"}
+            "RINGCOMM_DEBUG=check": "on" if check.enabled() else "off",
+            "engine": how}
 
 
 def settings_differ(entries: list[dict], rank: int) -> str | None:
@@ -126,9 +128,11 @@ def settings_differ(entries: list[dict], rank: int) -> str | None:
     first = entries[0].get("settings", {})
     for r, entry in enumerate(entries[1:], 1):
         theirs = entry.get("settings", {})
-        differ = [k for k in first if theirs.get(k) != first[k]]
+        differ = [k for k in first if k != "engine" and theirs.get(k) != first[k]]
         if differ:
-            lines = "; ".join(f"{k} (rank 0: {first[k]}; rank {r}: {theirs.get(k)})" for k in differ)
+            said = [f"{k} (rank 0: {first[k]}; rank {r}: {theirs.get(k)})" for k in differ]
+            if "RINGCOMM_ENGINE, RINGCOMM_SLICE" in differ:
+                said.append(f"engines: rank 0 {first.get('engine')}, rank {r} {theirs.get('engine')}")
             return (f"rank {rank} (this process): every rank of a communicator must set these alike, "
-                    f"and rank {r} does not: {lines}")
+                    f"and rank {r} does not: {'; '.join(said)}")
     return None

@@ -329,7 +329,8 @@ def test_bad_job_id_refused(monkeypatch, capsys):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("knob, value, named", [
-    ("RINGCOMM_ENGINE", "python", "RINGCOMM_ENGINE, RINGCOMM_SLICE (rank 0: slices of 524288 bytes"),
+    ("RINGCOMM_ENGINE", "python", "RINGCOMM_ENGINE, RINGCOMM_SLICE (rank 0: slices of 524288 bytes on shm; rank 1: "
+     "slices of 262144 bytes on shm); engines: rank 0 python, rank 1 native"),
     ("RINGCOMM_BUFFSIZE", "65536", "RINGCOMM_BUFFSIZE, RINGCOMM_NSLOTS (rank 0: 8 slots of 8192 bytes"),
     ("RINGCOMM_DEBUG", "check", "RINGCOMM_DEBUG=check (rank 0: on; rank 1: off)"),
 ])
@@ -351,3 +352,23 @@ def test_ranks_set_differently_fail_at_init_naming_the_setting(tmp_path, knob, v
         said = [line for line in r.stdout.splitlines() if line.startswith(f"[rank {rank}]")]
         assert said and "every rank of a communicator must set these alike, and rank 1 does not" in said[0] \
             and named in said[0], r.stdout + r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_a_python_and_a_native_rank_that_cut_alike_work_together(tmp_path):
+    # The check compares the slices the settings give, not the engines' names.
+    script = write_script(tmp_path, """
+        import os
+        if os.environ["RANK"] == "0":
+            os.environ["RINGCOMM_ENGINE"] = "python"
+        else:
+            os.environ["RINGCOMM_SLICE"] = "524288"   # the python engine's slice: one whole slot
+        import numpy as np, ringcomm
+        with ringcomm.init() as comm:
+            x = np.arange(3 << 20, dtype=np.float32) * (comm.rank + 1)
+            comm.all_reduce(x)
+            print(comm._executor.engine, np.array_equal(x, np.arange(3 << 20, dtype=np.float32) * 3))
+    """)
+    r = run(["-n", 2, script])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(line.split("] ", 1)[1] for line in r.stdout.splitlines()) == ["native True", "python True"]
