@@ -125,7 +125,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
             name = getattr(getattr(red, "op", red), "name", str(red))
             return self._submit("sparse all_reduce", *colls.sparse_all_reduce(self.comm, tensors[0], name))
         op = ring_op(red, "all_reduce")
-        views = [host_view(t, "all_reduce tensor", reduce=True) for t in tensors]
+        views = [host_view(t, "all_reduce tensor", reduce=True, elementwise=True) for t in tensors]
         return self._submit("all_reduce", list(tensors),
                             lambda: [self.comm.all_reduce(v, op, **self._rp(op, v)) for v in views])
 
@@ -133,7 +133,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def reduce(self, tensors, opts):
         t, op = _one(tensors, "reduce"), ring_op(opts.reduceOp, "reduce")
-        v = host_view(t, "reduce tensor", reduce=True)
+        v = host_view(t, "reduce tensor", reduce=True, elementwise=True)
         return self._submit("reduce", [t], lambda: self.comm.reduce(v, opts.rootRank, op, **self._rp(op, v)))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
@@ -170,7 +170,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def broadcast(self, tensors, opts):
         t = _one(tensors, "broadcast")
-        v = host_view(t, "broadcast tensor")
+        v = host_view(t, "broadcast tensor", elementwise=True)
         return self._submit("broadcast", [t], lambda: self.comm.broadcast(v, opts.rootRank))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -205,20 +205,20 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # A tag is taken as given: messages between two ranks match in issue order (see the README).
     def send(self, tensors, dst, tag=0):
         t = _one(tensors, "send")
-        v = host_view(t, "send tensor")
+        v = host_view(t, "send tensor", elementwise=True)
         self._peer(dst, "send")
         return self._p2p.send(v, dst, [t])
 
     def recv(self, tensors, src, tag=0):
         t = _one(tensors, "recv")
-        v = host_view(t, "recv tensor")
+        v = host_view(t, "recv tensor", elementwise=True)
         self._peer(src, "recv")
         return self._p2p.recv(v, src, [t])
 
     def recv_anysource(self, tensors, tag=0):
         t = _one(tensors, "recv from any source")
         self._p2p.check_any_source()
-        return self._p2p.recv(host_view(t, "recv tensor"), None, [t])
+        return self._p2p.recv(host_view(t, "recv tensor", elementwise=True), None, [t])
 
     def _peer(self, peer, what):
         if not 0 <= peer < self.comm.world_size or peer == self.comm.rank:

@@ -55,16 +55,23 @@ def check_tensor(t, what: str) -> None:
         raise NotImplementedError(f"{what} has layout {t.layout}; the ringcomm backend takes dense tensors")
 
 
-def host_view(t, what: str, *, reduce: bool = False) -> np.ndarray:
+def host_view(t, what: str, *, reduce: bool = False, elementwise: bool = False) -> np.ndarray:
     """A flat numpy view of a CPU tensor's own memory (no copy).
 
     ``reduce``: typed, for the collectives that do arithmetic (bfloat16 through ml_dtypes,
     which shares torch's bit layout); otherwise the raw bytes, so any dtype can move.
+    ``elementwise``: for the calls whose result at an element depends on that element alone
+    (all_reduce, reduce, broadcast, send/recv), a dense tensor in any order of its dimensions
+    (channels_last, a transpose) is taken too, in the order of its memory, as gloo takes it: every
+    rank is expected to pass the same layout (NCCL, which flattens memory alike, expects the same).
     """
     check_tensor(t, what)
-    if not t.is_contiguous():
+    if t.is_contiguous():
+        flat = t.detach().reshape(-1)  # a view: the tensor is contiguous
+    elif elementwise and _dense(t):
+        flat = t.detach().as_strided((t.numel(),), (1,))  # its memory, from its first element
+    else:
         raise ValueError(f"{what} is not contiguous (strides {tuple(t.stride())}); pass tensor.contiguous()")
-    flat = t.detach().reshape(-1)  # a view: the tensor is contiguous
     if not reduce:
         return flat.view(torch.uint8).numpy()
     if t.dtype not in REDUCIBLE:
@@ -74,6 +81,17 @@ def host_view(t, what: str, *, reduce: bool = False) -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return flat.numpy()
+
+
+def _dense(t) -> bool:
+    """Whether t's elements fill one run of memory with no gaps or overlaps, in some order of its
+    dimensions (positive strides that are, sorted, the running products of their sizes)."""
+    expect = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
 
 
 def same_kind(a, b, what: str) -> None:

@@ -247,7 +247,7 @@ def check_errors(rank, n):
         _raises(NotImplementedError, r"PREMUL_SUM", dist.all_reduce, t, op=dist._make_nccl_premul_sum(2.0)),
         _raises(NotImplementedError, r"int16", dist.all_reduce, torch.ones(4, dtype=torch.int16)),
         _raises(NotImplementedError, r"on meta.*CPU tensors only", dist.all_reduce, torch.ones(4, device="meta")),
-        _raises(ValueError, r"not contiguous", dist.all_reduce, torch.ones(4, 4).t()),
+        _raises(ValueError, r"not contiguous", dist.all_reduce, torch.ones(8)[::2]),   # gaps: not dense
         _raises(TypeError, r"dtypes differ", dist.all_gather_single, torch.zeros(n * 2), torch.ones(2, dtype=torch.int32)),
         _raises(ValueError, r"split sizes \[1\]", dist.all_to_all_single, torch.zeros(n), torch.ones(n), None, [1]),
         _raises(ValueError, r"not another rank", dist.isend, t, rank),
@@ -257,6 +257,24 @@ def check_errors(rank, n):
     dist.all_reduce(t)  # errors are raised before anything is queued: the group still works
     assert torch.equal(t, torch.full((8,), float(n)))
     return msgs
+
+
+def check_dense_layouts(rank, n):
+    """all_reduce, reduce and broadcast take a dense tensor in any order of its dimensions (as gloo
+    does): channels_last, a transpose. Calls whose blocks follow the index order refuse it."""
+    want = torch.arange(120, dtype=torch.float32).reshape(2, 3, 4, 5)
+    t = (want * (rank + 1)).to(memory_format=torch.channels_last)
+    dist.all_reduce(t)
+    assert torch.equal(t, want * (n * (n + 1) // 2)) and t.is_contiguous(memory_format=torch.channels_last)
+    m = (torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1)).t()
+    dist.broadcast(m, src=n - 1)
+    assert torch.equal(m, (torch.arange(12, dtype=torch.float32).reshape(3, 4) * n).t())
+    r = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + rank).t()
+    dist.reduce(r, dst=0, op=RED.MAX)
+    if rank == 0:
+        assert torch.equal(r, (torch.arange(12, dtype=torch.float32).reshape(3, 4) + n - 1).t())
+    _raises(ValueError, r"all_gather input is not contiguous", dist.all_gather,
+            [torch.empty(4, 3) for _ in range(n)], m)
 
 
 def check_coalesced_and_sparse(rank, n):
@@ -413,7 +431,8 @@ def check_block_collectives(rank, n):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", [check_all_reduce, check_all_gather, check_reduce_scatter,
-                                   check_broadcast_and_reduce, check_send_recv, check_coalesced_and_sparse],
+                                   check_broadcast_and_reduce, check_send_recv, check_coalesced_and_sparse,
+                                   check_dense_layouts],
                          ids=lambda f: f.__name__[6:])
 def test_collective(world, check):
     world.run(check)
