@@ -41,6 +41,24 @@ def ring_op(op, collective: str):
     return OPS[kind]
 
 
+# bool reduces as its 0/1 bytes under the logical op its arithmetic stands for, as gloo and NCCL
+# (through uint8) give it: SUM is "any", PRODUCT "all". MAX and MIN, which never wrap the way a
+# uint8 sum of 256 Trues would.
+BOOL_OPS = {ringcomm.SUM: ringcomm.MAX, ringcomm.PROD: ringcomm.MIN, ringcomm.MIN: ringcomm.MIN,
+            ringcomm.MAX: ringcomm.MAX}
+
+
+def tensor_op(op, t, collective: str):
+    """The ringcomm op that reduces tensor ``t`` as ``op`` (ring_op's answer) means: itself, or
+    for a bool tensor its logical twin (BOOL_OPS)."""
+    if t.dtype != torch.bool:
+        return op
+    if op not in BOOL_OPS:
+        raise NotImplementedError(f"{collective}: {str(op).upper()} of a bool tensor has no meaning here; "
+                                  f"SUM (any), PRODUCT (all), MIN and MAX do")
+    return BOOL_OPS[op]
+
+
 def check_tensor(t, what: str) -> None:
     """A dense CPU tensor, or the error that says why the backend cannot take it."""
     if not isinstance(t, torch.Tensor):
@@ -72,10 +90,10 @@ def host_view(t, what: str, *, reduce: bool = False, elementwise: bool = False) 
         flat = t.detach().as_strided((t.numel(),), (1,))  # its memory, from its first element
     else:
         raise ValueError(f"{what} is not contiguous (strides {tuple(t.stride())}); pass tensor.contiguous()")
-    if not reduce:
+    if not reduce or t.dtype == torch.bool:   # bool: its 0/1 bytes, reduced as tensor_op says
         return flat.view(torch.uint8).numpy()
     if t.dtype not in REDUCIBLE:
-        names = ", ".join(str(d).removeprefix("torch.") for d in REDUCIBLE)
+        names = ", ".join(str(d).removeprefix("torch.") for d in (*REDUCIBLE, torch.bool))
         raise NotImplementedError(f"{what} has dtype {t.dtype}, which the ringcomm backend does not "
                                   f"reduce; supported: {names}")
     if t.dtype == torch.bfloat16:

@@ -277,6 +277,22 @@ def check_dense_layouts(rank, n):
             [torch.empty(4, 3) for _ in range(n)], m)
 
 
+def check_bool_reductions(rank, n):
+    """bool tensors reduce as gloo reduces them: SUM is any, PRODUCT all, MIN and MAX alike;
+    AVG is refused."""
+    mine = torch.tensor([rank == 0, rank >= 0, False, rank == n - 1])
+    want = {RED.SUM: [True, True, False, True], RED.MAX: [True, True, False, True],
+            RED.PRODUCT: [n == 1, True, False, n == 1], RED.MIN: [n == 1, True, False, n == 1]}
+    for op, expected in want.items():
+        t = mine.clone()
+        dist.all_reduce(t, op=op)
+        assert t.dtype == torch.bool and t.tolist() == expected, (op, t)
+    out = torch.empty(2, dtype=torch.bool)
+    dist.reduce_scatter_tensor(out, torch.tensor([rank == 0, False] * n), op=RED.SUM)
+    assert out.tolist() == [True, False], out
+    _raises(NotImplementedError, r"AVG of a bool tensor", dist.all_reduce, mine.clone(), op=RED.AVG)
+
+
 def check_coalesced_and_sparse(rank, n):
     outs = [[torch.zeros(2, 3), torch.zeros(0), torch.zeros(5)] for _ in range(n)]
     with warnings.catch_warnings():
@@ -432,7 +448,7 @@ def check_block_collectives(rank, n):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("check", [check_all_reduce, check_all_gather, check_reduce_scatter,
                                    check_broadcast_and_reduce, check_send_recv, check_coalesced_and_sparse,
-                                   check_dense_layouts],
+                                   check_dense_layouts, check_bool_reductions],
                          ids=lambda f: f.__name__[6:])
 def test_collective(world, check):
     world.run(check)
