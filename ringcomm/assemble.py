@@ -87,12 +87,9 @@ def assemble(cls, rank, world_size, local_rank, store, owns_store, timeout, toke
             if problem:
                 # Every rank read the same entries and raises the same error; the rank that hosts
                 # the store keeps it up until all have read them (else they would report a lost store).
-                key = f"{ctx.prefix}/settings_read"
                 try:
-                    if store.add(key, 1) == world_size:
-                        store.set(f"{key}/all", b"1")
-                    if owns_store:
-                        store.wait([f"{key}/all"], timeout=min(timeout, 10.0))
+                    store.arrive(f"{ctx.prefix}/settings_read", world_size,
+                                 wait=min(timeout, 10.0) if owns_store else None)
                 except (RingcommError, OSError):
                     pass
                 raise ValueError(problem)

@@ -13,7 +13,7 @@ from . import check, model, plain_read, reproducible as repro, vcounts
 from .buffers import address, expect_size, host_array, overlaps, same_dtype
 from .catalogue import ALGOS, build_schedule
 from .errors import CommunicatorClosed, RingcommError
-from .executor import Call, Executor
+from .executor import Call
 from .group import Group
 from .known_calls import KnownCalls
 from .ops import SUM, as_op
@@ -55,8 +55,7 @@ class Communicator:
         self._known = KnownCalls()  # small calls repeated on the same arrays (known_calls.py)
         self._scratch: dict = {}  # reproducible mode's codes and limbs, kept between calls
         self._progress = Progress(rank, self._execute_now, self.abort)  # where calls run, in order
-        self._pid = os.getpid()
-        self._forked = False   # True in a forked child: the links, segments and store are the parent's
+        self._pid = os.getpid()   # the process that made it: in a fork's child (_forked) nothing is ours
         _LIVE.add(self)
 
     # ---- collectives -------------------------------------------------------------------------
@@ -291,14 +290,18 @@ class Communicator:
     def _leave_store(self):
         # Rank 0 hosts the store: it stays up until every rank has closed, so a
         # slower rank can still look up its peers. After an error, not for long.
-        done = f"{self._prefix}/all_closed"
+        hosts = self._owns_store and self.rank == 0
         try:
-            if self._store.add(f"{self._prefix}/closed", 1) == self.world_size:
-                self._store.set(done, b"1")
-            if self._owns_store and self.rank == 0:
-                self._store.wait([done], timeout=1.0 if self._broken else min(self.timeout, 60.0))
+            self._store.arrive(f"{self._prefix}/closed", self.world_size,
+                               wait=(1.0 if self._broken else min(self.timeout, 60.0)) if hosts else None)
         except (RingcommError, OSError):
             pass  # closing never raises: the job may already be going down
+
+    @property
+    def _forked(self) -> bool:
+        """Whether this process is a fork's child of the one that made the communicator: its links,
+        segments and store are the parent's (asked on cold paths only: close, failures)."""
+        return os.getpid() != self._pid
 
     def __enter__(self):
         return self
@@ -503,7 +506,6 @@ def _after_fork_in_child() -> None:
     without touching them. Before, a plain fork's child that ended normally closed the parent's
     communicator at exit, and the job's next collective failed on every rank."""
     for comm in list(_LIVE):
-        comm._forked = True
         comm._broken = (f"rank {comm.rank}'s communicator was made in process {comm._pid}, and this process "
                         f"({os.getpid()}) is a fork of it: its links belong to the parent. Make a new one here")
 

@@ -65,6 +65,15 @@ class Store:
         """Remove ``key``; return whether it existed."""
         return self._delete(_check_key(key))
 
+    def arrive(self, key: str, n: int, wait: float | None = None) -> None:
+        """Count this process at ``key``; the n-th arrival sets ``key/all``. With ``wait``, then wait
+        up to that many seconds for all n: what the process hosting the store does, to keep it up
+        until the others no longer need it (StoreTimeout if they do not all come)."""
+        if self.add(key, 1) == n:
+            self.set(f"{key}/all", b"1")
+        if wait is not None:
+            self.wait([f"{key}/all"], timeout=wait)
+
     def close(self) -> None:
         pass
 

@@ -43,7 +43,7 @@ import ringcomm
 from . import torch_collectives as colls
 from . import torch_cuda, torch_groups
 from .torch_p2p import P2PBatch
-from .torch_support import TorchStore, Work, check_tensor, host_view, ring_op, same_kind, tensor_op
+from .torch_support import TorchStore, Work, check_tensor, host_view, same_kind, tensor_op
 
 BACKEND = "ringcomm"
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # groups still open, closed at exit
@@ -124,8 +124,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:
             name = getattr(getattr(red, "op", red), "name", str(red))
             return self._submit("sparse all_reduce", *colls.sparse_all_reduce(self.comm, tensors[0], name))
-        op = ring_op(red, "all_reduce")
-        views = [(host_view(t, "all_reduce tensor", reduce=True, elementwise=True), tensor_op(op, t, "all_reduce"))
+        views = [(host_view(t, "all_reduce tensor", reduce=True, elementwise=True), tensor_op(red, t, "all_reduce"))
                  for t in tensors]
         return self._submit("all_reduce", list(tensors),
                             lambda: [self.comm.all_reduce(v, o, **self._rp(o, v)) for v, o in views])
@@ -134,13 +133,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def reduce(self, tensors, opts):
         t = _one(tensors, "reduce")
-        op = tensor_op(ring_op(opts.reduceOp, "reduce"), t, "reduce")
+        op = tensor_op(opts.reduceOp, t, "reduce")
         v = host_view(t, "reduce tensor", reduce=True, elementwise=True)
         return self._submit("reduce", [t], lambda: self.comm.reduce(v, opts.rootRank, op, **self._rp(op, v)))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
-        op = tensor_op(ring_op(opts.reduceOp, "reduce_scatter"), out, "reduce_scatter")
+        op = tensor_op(opts.reduceOp, out, "reduce_scatter")
         y = host_view(out, "reduce_scatter output", reduce=True)
         if len(ins) != self.comm.world_size:
             raise ValueError(f"reduce_scatter: {len(ins)} input tensors for a group of {self.comm.world_size}")
@@ -159,7 +158,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._submit("reduce_scatter", [out], run)
 
     def reduce_scatter_single(self, output, input, opts):
-        op = tensor_op(ring_op(opts.reduceOp, "reduce_scatter_tensor"), output, "reduce_scatter_tensor")
+        op = tensor_op(opts.reduceOp, output, "reduce_scatter_tensor")
         same_kind(input, output, "reduce_scatter_tensor input and output")
         x = host_view(input, "reduce_scatter_tensor input", reduce=True)
         y = host_view(output, "reduce_scatter_tensor output", reduce=True)

@@ -48,9 +48,10 @@ BOOL_OPS = {ringcomm.SUM: ringcomm.MAX, ringcomm.PROD: ringcomm.MIN, ringcomm.MI
             ringcomm.MAX: ringcomm.MAX}
 
 
-def tensor_op(op, t, collective: str):
-    """The ringcomm op that reduces tensor ``t`` as ``op`` (ring_op's answer) means: itself, or
-    for a bool tensor its logical twin (BOOL_OPS)."""
+def tensor_op(red, t, collective: str):
+    """The ringcomm op that reduces tensor ``t`` as torch's ``red`` means: ring_op's answer, or for
+    a bool tensor its logical twin (BOOL_OPS)."""
+    op = ring_op(red, collective)
     if t.dtype != torch.bool:
         return op
     if op not in BOOL_OPS:

@@ -291,3 +291,11 @@ def test_hash_store_close_wakes_waiters():
 def test_server_port_in_use_is_a_store_error(server):
     with pytest.raises(StoreError, match=rf"could not start the store server on 127\.0\.0\.1:{server.port}"):
         TCPStore("127.0.0.1", server.port, is_server=True, token=TOKEN, timeout=1)
+
+
+def test_arrive_marks_the_last_arrival_and_the_host_waits_for_it():
+    s = HashStore(timeout=5)
+    with pytest.raises(StoreTimeout):
+        s.arrive("closed", 2, wait=0.05)       # the host alone: the other has not come
+    s.arrive("closed", 2)                      # the other comes, and does not wait
+    s.wait(["closed/all"], timeout=0.05)       # the second arrival of two set it
