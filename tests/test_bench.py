@@ -285,9 +285,12 @@ def test_round_trip_between_two_cpus_is_measured_or_says_why_not(monkeypatch):
     if placement.cpu_pair() is None:
         assert placement.round_trip_ns() is None   # one usable CPU: nothing to measure
         return
-    first = placement.round_trip_ns(rounds=200, repeat=1)   # short: the suite's other worker may share a CPU
-    # A number, not a fast one: where the suite's other worker holds one of the two CPUs, each
-    # round trip waits for a scheduler slice (460 us was seen on this 2-core VM, one run in four).
+    # Short: the suite's other worker may share a CPU. A number, not a fast one: where that worker
+    # holds one of the two CPUs, each round trip waits for a scheduler slice (460 us was seen on this
+    # 2-core VM, one run in four). Up to three tries: a probe whose thread got no answer for seconds
+    # says None, as documented (seen once in a CI rehearsal, the Soft-RoCE guest sharing the cores).
+    tries = (placement.round_trip_ns(rounds=200, repeat=1) for _ in range(3))
+    first = next((t for t in tries if t is not None), None)
     assert first is not None and 1 < first < 50e6, first
     assert os.sched_getaffinity(0) >= set(placement.cpu_pair())  # the caller's own CPUs are untouched
     monkeypatch.setattr(placement, "cpu_pair", lambda: None)
