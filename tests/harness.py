@@ -207,6 +207,29 @@ class World:
             raise WorldError(f"segments left in /dev/shm: {left}")
 
 
+def resources() -> tuple[set[str], set[str]]:
+    """(open fds, live threads by "name#ident"): a baseline for leaked_since."""
+    import threading
+    return open_fds(), {f"{t.name}#{t.ident}" for t in threading.enumerate()}
+
+
+def leaked_since(before, grace: float = 5.0) -> str:
+    """"" when no more fds and threads are open than at ``before`` (from resources()); else what
+    is new, by name. A listener that stays open (the parent communicator's) may be turning away a
+    stranger as we look: another test's liveness probe that reached a port reused since, which a
+    handshake thread refuses within a second. So threads born since get ``grace`` seconds to end
+    (joined, not slept on) before counting; a thread that truly leaked is still there."""
+    import threading
+    deadline = time.monotonic() + grace
+    for t in threading.enumerate():
+        if f"{t.name}#{t.ident}" not in before[1] and t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+    fds, threads = resources()
+    if len(fds) <= len(before[0]) and len(threads) <= len(before[1]):
+        return ""
+    return f"fds {sorted(fds - before[0])}, threads {sorted(threads - before[1])}"
+
+
 def open_fds() -> set[str]:
     """This process's open fds with their targets ("12->socket:[...]"), after freeing garbage.
     Compare sets, not counts: an earlier test's garbage may be freed meanwhile, and only what a

@@ -5,38 +5,33 @@ import glob
 import os
 import signal
 import stat
-import threading
 import time
 
 import numpy as np
 import pytest
 
 import ringcomm
-from harness import World
-
-
-def _resources():
-    return len(os.listdir("/proc/self/fd")), threading.active_count()
+from harness import World, leaked_since, resources
 
 
 def _open_and_close(comm, transport):
     os.environ["RINGCOMM_TRANSPORT"] = transport
-    before = _resources()
+    before = resources()
     for _ in range(3):
         other = ringcomm.init(comm.rank, comm.world_size, store=comm._store)
         x = np.ones(100_000, np.float32)
         other.all_reduce(x)
         other.all_gather(x[:10], np.empty(10 * comm.world_size, np.float32))
         other.close()
-    return before, _resources()
+    return leaked_since(before)
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_close_releases_fds_and_threads(transport):
     with World(3, {"RINGCOMM_BUFFSIZE": "65536"}) as world:
-        for before, after in world.run(_open_and_close, transport):
-            assert after == before, f"(fds, threads) before {before}, after three init/close: {after}"
+        for rank, leaked in enumerate(world.run(_open_and_close, transport)):
+            assert not leaked, f"rank {rank}: open after three init/close, not before: {leaked}"
 
 
 def _send_and_wait_forever(comm):

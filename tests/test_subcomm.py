@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ringcomm
-from harness import World
+from harness import World, leaked_since, resources
 
 _COMMS: dict = {}
 TIMEOUT = 8.0  # RINGCOMM_TIMEOUT of the worlds that lose ranks
@@ -133,16 +133,11 @@ def _expected(n, color_of, key_of, r):
     return ranks.index(r), len(ranks), float(sum(q + 1 for q in ranks))
 
 
-def _resources():
-    import threading
-    return len(os.listdir("/proc/self/fd")), threading.active_count()
-
-
 def _split_all(comm):
     # The parent's own connections are made at its first calls: make them before counting.
     comm.split(0).close()
     _sum_check(comm, 0)
-    _COMMS["before"] = _resources()
+    _COMMS["before"] = resources()
     got = []
     for name, color_of, key_of in SPLITS:
         sub = comm.split(color_of(comm.rank), key_of(comm.rank))
@@ -171,8 +166,8 @@ def _interleave_and_close(comm):
     for c in (nested, whole, *_COMMS.values()):
         c.close()
     _COMMS.clear()
-    after = _resources()
-    assert after == before, f"rank {comm.rank}: (fds, threads) {before} before the splits, {after} after closing"
+    leaked = leaked_since(before)
+    assert not leaked, f"rank {comm.rank}: open after closing, not before the splits: {leaked}"
     return out
 
 
@@ -201,11 +196,12 @@ def test_split_sizes_keys_nesting_and_closing_order(transport):
 # ---- shrink --------------------------------------------------------------------------------
 
 def _shrink_excluding(comm, exclude):
-    before = _resources()
+    before = resources()
     sub = comm.shrink(exclude=exclude)
     out = (sub.rank, sub.world_size, _sum_check(sub, comm.rank))
     sub.close()
-    assert _resources() == before, f"rank {comm.rank}: (fds, threads) {before} before shrink, {_resources()} after"
+    leaked = leaked_since(before)
+    assert not leaked, f"rank {comm.rank}: open after closing the shrunk communicator, not before: {leaked}"
     return out
 
 
