@@ -37,9 +37,10 @@ from .env import oversubscribed
 # A plan row: flags, offsets and the connection-table rows of the slice's peers.
 F_RECVS, F_REDUCES, F_COPIES, F_FINAL = 1, 2, 4, 8
 FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source rows, then ndst dest rows
-# The control block: what the call passes in, and (NEXT, STATUS, CONN) what the loop hands back.
-NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, SPIN, BUDGET, MAXSRC, STORES, EXPLORE = range(14)
-CTL_SIZE = 14
+# The control block: what a call on a plan passes in, and (NEXT, STATUS, CONN) what the loop hands
+# back. Where to start and how long to poll change from call to call: those are arguments.
+NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, BUDGET, MAXSRC, STORES, EXPLORE = range(13)
+CTL_SIZE = 13
 DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE, WAKE = range(6)
 SPIN_ROUND_S = 200e-6
 # The first poll of a wait is shorter: then Python asks whether the peer waits for this very CPU
@@ -92,13 +93,13 @@ def _slot(conns, c, nslots, slot_bytes, like, k):
     return numba_carray(native_sync.typed_ptr(addr, like), k)
 
 
-def _run(plan, conns, ctl, inp_array, out):
+def _run(plan, conns, ctl, inp_array, out, i, spin):
+    # From row i; a blocked wait polls for ``spin`` cycles before it hands the wait to Python.
     # The input through a pointer of the output's type: x and the slots unify to one array type.
     # (inp_array is typed read-only: see warm_once.)
     inp = numba_carray(native_sync.typed_ptr(inp_array.ctypes.data, out), inp_array.size)
-    nslots, spin, maxsrc = ctl[NSLOTS], ctl[SPIN], ctl[MAXSRC]
+    nslots, maxsrc = ctl[NSLOTS], ctl[MAXSRC]
     t0 = native_sync.cycles()
-    i = ctl[NEXT]
     while i < plan.shape[0]:
         row = plan[i]
         nbytes, nsrc, ndst = row[NBYTES], row[NSRC], row[NDST]
@@ -339,7 +340,8 @@ class NativePlan:
 
     def __init__(self, table, entries, maxsrc, unsettled):
         self.table, self.entries, self.maxsrc, self.unsettled = table, entries, maxsrc, unsettled
-        self.ctls: dict = {}   # (dtype, op) -> the control block, or None: a dtype this engine leaves alone
+        # (dtype, op) -> (the control block, the loop's entry, kind16), or None: a dtype this engine leaves alone
+        self.ctls: dict = {}
 
 
 class NativeEngine:
@@ -416,60 +418,60 @@ class NativeEngine:
             self.owned = False
 
     def _control(self, plan: NativePlan, dtype, op):
-        """The call's control block, made once per (plan, dtype, op): a repeated call only resets
-        NEXT. None where the native arithmetic would not give host.py's bits (float16 without F16C)."""
+        """(the call's control block, the loop to call, whether it moves 16-bit floats as uint16),
+        made once per (plan, dtype, op): a repeated call only resets NEXT. None where the native
+        arithmetic would not give host.py's bits (float16 without F16C)."""
         if not native_kernels.supported(dtype):
-            ctl = None
+            entry = None
         else:
-            x = self.x
+            x, kind16 = self.x, native_kernels.kind16(dtype)
             ctl = np.array((0, 0, -1, x.nslots, x.slot_bytes, native_kernels.OPCODES[op],
-                            native_kernels.kind16(dtype), x.world_size, op == "avg", self.spin, self.budget,
+                            kind16, x.world_size, op == "avg", self.budget,
                             plan.maxsrc, self.stores, self.explore), np.int64)
-        plan.ctls[(dtype, op)] = ctl
-        return ctl
+            entry = ctl, compiled_entry(warm_once(dtype)), bool(kind16)
+        plan.ctls[(dtype, op)] = entry
+        return entry
 
     def run(self, plan: NativePlan, call) -> bool:
         """Run one call; False (nothing done) if its dtype is not for this engine."""
         inp, out = call.inp, call.out
-        ctl = plan.ctls.get((inp.dtype, call.op), False)
-        if ctl is False:
-            ctl = self._control(plan, inp.dtype, call.op)
-        if ctl is None:
+        entry = plan.ctls.get((inp.dtype, call.op), False)
+        if entry is False:
+            entry = self._control(plan, inp.dtype, call.op)
+        if entry is None:
             return False
+        ctl, loop, kind16 = entry
         if not self.owned:
             for row, conn in enumerate(self.objs):
                 self.conns[row, COUNT] = conn.count
             self.owned = True
         if plan.unsettled:
             plan.unsettled = [c for c in plan.unsettled if not c.settle()]
-        loop = _warmed.get(inp.dtype)
-        if loop is None:
-            loop = warm_once(inp.dtype)
-        if ctl[KIND16]:
+        if kind16:
             inp, out = inp.view(np.uint16), out.view(np.uint16)
-        ctl[NEXT] = 0
-        ctl[SPIN] = self.short if self.stacked else self.first
-        x, rounds, where = self.x, 0, -1
-        while loop(plan.table, self.conns, ctl, inp, out) != DONE:
-            status = ctl[STATUS]
+        spin = self.short if self.stacked else self.first
+        i, rounds, where = 0, 0, -1
+        while loop(plan.table, self.conns, ctl, inp, out, i, spin) != DONE:
+            status, i = ctl[STATUS], int(ctl[NEXT])
             if status == YIELD:
                 continue
             if status == WAKE:
                 self._wake(plan.table[ctl[CONN]], plan.maxsrc)
                 continue
             if status != BAD_SIZE and rounds < self.rounds:
-                if ctl[NEXT] != where:          # progress since the last round: a new wait
-                    rounds, where = 0, ctl[NEXT]
-                long_round = ctl[SPIN] == self.spin
+                if i != where:                  # progress since the last round: a new wait
+                    rounds, where = 0, i
+                long_round = spin == self.spin
                 rounds += 1
                 self.stacked = self.objs[ctl[CONN]].peer_waits_for_my_cpu()
-                ctl[SPIN] = self.short if self.stacked else self.spin
+                spin = self.short if self.stacked else self.spin
                 if self.stacked or long_round:  # after a short first round, a free peer: poll on
                     os.sched_yield()
                 continue
             rounds = 0
-            ctl[SPIN] = self.short if self.stacked else self.first
-            entry = plan.entries[ctl[NEXT]]
+            spin = self.short if self.stacked else self.first
+            entry = plan.entries[i]
+            x = self.x
             x._step = entry[0]
             conn = self.objs[ctl[CONN]]
             conn.count = int(self.conns[ctl[CONN], COUNT])
@@ -525,7 +527,7 @@ def warm_once(dtype):
         empty_plan, conns = np.zeros((0, PEERS), np.int64), np.zeros((1, CONN_COLUMNS), np.int64)
         a, out = np.zeros(1, kind), np.zeros(1, kind)
         a.flags.writeable = False
-        loop(empty_plan, conns, np.zeros(CTL_SIZE, np.int64), a, out)   # compiles, or loads from disk
+        loop(empty_plan, conns, np.zeros(CTL_SIZE, np.int64), a, out, 0, 0)   # compiles, or loads from disk
         # One version per type: its input is typed read-only, which a writable input converts to
         # at call time once no new version may be compiled. (Before, the first read-only input a
         # process met compiled a second copy of the loop, ~5 s.) Unaligned buffers convert too;
@@ -536,6 +538,19 @@ def warm_once(dtype):
             os.close(fd)   # releases the lock
     _warmed[dtype] = loop
     return loop
+
+
+def compiled_entry(loop):
+    """The loop's one compiled version (warm_once), called without the dispatcher's look at the
+    arguments' types (~0.1 us of an 8-byte all_reduce's ~3). Sound because a call passes nothing
+    the dispatcher would route elsewhere: the dtype is the loop's by construction (ctls is keyed
+    by it), and a read-only or unaligned input converts to this very version anyway. The
+    dispatcher itself where numba does not expose the version."""
+    try:
+        (signature,) = loop.signatures
+        return loop.overloads[signature].entry_point
+    except (AttributeError, KeyError, ValueError):
+        return loop
 
 
 def warm(dtypes=None) -> None:

@@ -33,6 +33,7 @@ from .errors import CollectiveTimeout, PeerFailure, RingcommError
 from .schedule.step import SPLIT, Schedule, chunk_span
 
 
+_NO_PLAN = (None, None)  # (owner, plan) of a plan not made yet
 NATIVE_BUDGET_S = 1e-3  # the native loop returns to Python at least this often
 
 
@@ -102,7 +103,12 @@ class Executor:
         self.links.call = call  # named in connect errors
         self._call, self._nsteps = call, len(sched.steps)
         if self.native is not None and call.dev is None:
-            if self._run_native(sched, call):
+            # The native engine, if it takes the call (all links shm, a dtype whose compiled
+            # arithmetic matches the host kernels): its plan is None where a link is not shm.
+            owner, plan = self._plans.get((id(sched), call.inp.itemsize, call.m, call.blocks, True), _NO_PLAN)
+            if owner is not sched:  # _cached_plan's look, inlined on the path of every small call
+                plan = self._cached_plan(sched, call, True)
+            if plan is not None and self.native.run(plan, call):
                 return
             self.native.release()  # the reference engine takes over the connections' counters
         plan = self._cached_plan(sched, call, False)
@@ -121,17 +127,11 @@ class Executor:
             for entry in plan:
                 self._slice(entry, call, inp, out, fn, in_place)
 
-    def _run_native(self, sched: Schedule, call: Call) -> bool:
-        """Run the call in the native engine if it can take it (all links shm, a dtype whose
-        compiled arithmetic matches the host kernels); whether it did."""
-        plan = self._cached_plan(sched, call, True)
-        return plan is not None and self.native.run(plan, call)
-
     def _cached_plan(self, sched: Schedule, call: Call, native: bool):
         # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
         # alive and is checked, so a recycled id can never return another schedule's plan.
         key = (id(sched), call.inp.itemsize, call.m, call.blocks, native)
-        owner, plan = self._plans.get(key, (None, None))
+        owner, plan = self._plans.get(key, _NO_PLAN)
         if owner is not sched:
             plan = self._plan(sched, call, native)
             if len(self._plans) >= 64:

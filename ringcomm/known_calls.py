@@ -36,17 +36,6 @@ class KnownCall:
         self.out_shape, self.out_dtype = (None, None) if out is None else (out.shape, out.dtype)
         self.op, self.algo, self.sched = op, algo, sched
 
-    def holds(self, buf, out) -> bool:
-        """Whether ``buf`` and ``out`` are still the arrays the checked path accepted, unchanged."""
-        if self.buf() is not buf or buf.shape != self.shape or buf.dtype is not self.dtype:
-            return False
-        if not buf.flags.c_contiguous:        # strides can be reassigned in place
-            return False
-        if out is None:
-            return buf.flags.writeable
-        return (self.out() is out and out.shape == self.out_shape and out.dtype is self.out_dtype
-                and out.flags.c_contiguous and out.flags.writeable)
-
 
 class KnownCalls:
     def __init__(self):
@@ -59,7 +48,16 @@ class KnownCalls:
             known = self.entries.get((id(buf), id(out), args))
         except TypeError:   # an unhashable op, algo or root: the checked path says what is wrong
             return None
-        return known if known is not None and known.holds(buf, out) else None
+        if known is None or known.buf() is not buf or buf.shape != known.shape or buf.dtype is not known.dtype:
+            return None
+        # Still the arrays the checked path accepted, unchanged: strides can be reassigned in place,
+        # hence the layout flags (carray: C-contiguous, aligned and writeable, in one look).
+        if out is None:
+            return known if buf.flags.carray else None
+        if (known.out() is out and out.shape == known.out_shape and out.dtype is known.out_dtype
+                and out.flags.carray and buf.flags.c_contiguous):
+            return known
+        return None
 
     def remember(self, buf, out, args: tuple, picked_op, picked_algo, sched) -> None:
         """After the checked path accepted a call: remember it if it is on plain numpy arrays. Of any
