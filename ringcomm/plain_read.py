@@ -39,9 +39,14 @@ COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight i
 # fast or faster (64 KiB broadcast 8-9 us against 30-50 us by CMA, whose per-call Python and two
 # syscalls cost ~25 us); above them one copy instead of two wins. broadcast's is lower because
 # its root writes half of each reader's buffer while the reader reads the other half (2 MiB:
-# 74-116 us against 100-108 by the FIFOs). Bytes as wanted() counts them: broadcast's buffer,
+# 74-116 us against 100-108 by the FIFOs). all_gather's was 4 MiB of output, measured on an AMD
+# EPYC VM; on the Intel Xeon VM of a later session CMA won from 512 KiB (2 ranks, 200-call rows,
+# three alternating runs, CMA against FIFOs: 512 KiB 30-31 us against 34-35, 1 MiB 68-69 against
+# 88-89, 2 MiB 155-202 against 200-215; at 256 KiB no gain, 21-22 against 21) and on 4 ranks too
+# (2 MiB 522-544 against 691-771, 4 MiB 920-960 against 1371-1417), so the FIFOs' two copies per
+# peer block lose to one from there. Bytes as wanted() counts them: broadcast's buffer,
 # all_gather's output.
-CMA_MIN_BYTES = {"broadcast": 2 << 20, "all_gather": 4 << 20}
+CMA_MIN_BYTES = {"broadcast": 2 << 20, "all_gather": 512 << 10}
 
 
 # The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the
@@ -61,8 +66,7 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     crossover as given; the default one is scaled by the ranks per core (rounded up): with
     more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
     pipeline does not (4 ranks on 2 cores, broadcast: 2 MiB 537-680 us by CMA against 440-510 us
-    by the FIFOs, 4 MiB 600-830 against 1050-1190; all_gather, 4 MiB of output out of place
-    981-1009 against 834-846, 8 MiB 1844-2106 against 1856-2238)."""
+    by the FIFOs, 4 MiB 600-830 against 1050-1190)."""
     if collective not in COLLECTIVES:
         return False
     given = env_number("RINGCOMM_CMA_MIN", None, int)
