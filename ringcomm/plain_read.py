@@ -34,19 +34,20 @@ from .env import env_number, env_switch
 from .errors import RingcommError
 
 COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
-# Measured crossovers (2 ranks, docs/06 "Where a 2-rank broadcast's time went" and "Two cores
-# fill one buffer"): below them the FIFO path, whose slot copies stream past the caches, is as
-# fast or faster (64 KiB broadcast 8-9 us against 30-50 us by CMA, whose per-call Python and two
-# syscalls cost ~25 us); above them one copy instead of two wins. broadcast's is lower because
-# its root writes half of each reader's buffer while the reader reads the other half (2 MiB:
-# 74-116 us against 100-108 by the FIFOs). all_gather's was 4 MiB of output, measured on an AMD
-# EPYC VM; on the Intel Xeon VM of a later session CMA won from 512 KiB (2 ranks, 200-call rows,
-# three alternating runs, CMA against FIFOs: 512 KiB 30-31 us against 34-35, 1 MiB 68-69 against
-# 88-89, 2 MiB 155-202 against 200-215; at 256 KiB no gain, 21-22 against 21) and on 4 ranks too
-# (2 MiB 522-544 against 691-771, 4 MiB 920-960 against 1371-1417), so the FIFOs' two copies per
-# peer block lose to one from there. Bytes as wanted() counts them: broadcast's buffer,
-# all_gather's output.
-CMA_MIN_BYTES = {"broadcast": 2 << 20, "all_gather": 512 << 10}
+# Measured crossovers: below them the FIFO path is as fast or faster (64 KiB broadcast 6 us
+# against 15 us by CMA, whose per-call Python and two syscalls cost ~15 us); above them one copy
+# instead of two wins. They were 2 MiB (broadcast) and 4 MiB (all_gather's output) on an AMD EPYC
+# VM (docs/06 "Where a 2-rank broadcast's time went"), where the FIFOs' slot copies streamed past
+# the caches held their own: broadcast 1 MiB 54-63 us against 80 by CMA. On the Intel Xeon VM of a
+# later session CMA won from 512 KiB for both (2 ranks, 200-call rows, alternating runs, CMA
+# against FIFOs: broadcast 512 KiB 22 us against 32-33, 1 MiB 32-34 against 70-76; all_gather
+# 512 KiB 30-31 against 34-35, 1 MiB 68-69 against 88-89, 2 MiB 155-202 against 200-215; at
+# 256 KiB no gain) and on 4 ranks from 1 MiB (broadcast 1 MiB 271-281 against 412-414, all_gather
+# 2 MiB 522-544 against 691-771): there a FIFO slot's lines bounce between the two cores' caches
+# (a broadcast cut into 16 KiB slices ran at 7 GB/s, 256 KiB ones at 16), while a reader's CMA
+# copy pulls them once. The defaults follow the later measurement. Bytes as wanted() counts them:
+# broadcast's buffer, all_gather's output.
+CMA_MIN_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10}
 
 
 # The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the
@@ -65,8 +66,8 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     on a communicator of ``ranks`` ranks, all on this host. RINGCOMM_CMA_MIN, where set, is the
     crossover as given; the default one is scaled by the ranks per core (rounded up): with
     more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
-    pipeline does not (4 ranks on 2 cores, broadcast: 2 MiB 537-680 us by CMA against 440-510 us
-    by the FIFOs, 4 MiB 600-830 against 1050-1190)."""
+    pipeline does not (4 ranks on 2 cores, AMD VM, broadcast: 2 MiB 537-680 us by CMA against
+    440-510 us by the FIFOs, 4 MiB 600-830 against 1050-1190)."""
     if collective not in COLLECTIVES:
         return False
     given = env_number("RINGCOMM_CMA_MIN", None, int)

@@ -93,10 +93,9 @@ def test_the_crossover_grows_with_ranks_per_core(monkeypatch):
     monkeypatch.delenv("RINGCOMM_CMA_MIN", raising=False)
     monkeypatch.setattr(plain_read, "CORES", 2)
     mib = 1 << 20
-    assert plain_read.wanted("broadcast", 2 * mib, 2) and not plain_read.wanted("broadcast", 2 * mib - 1, 2)
-    assert not plain_read.wanted("broadcast", 2 * mib, 3) and plain_read.wanted("broadcast", 4 * mib, 4)
-    assert not plain_read.wanted("all_gather", mib - 1, 4) and plain_read.wanted("all_gather", mib, 4)
-    assert plain_read.wanted("all_gather", mib // 2, 2) and not plain_read.wanted("all_gather", mib // 2, 3)
+    for collective in ("broadcast", "all_gather"):   # 512 KiB a rank per core, rounded up
+        assert plain_read.wanted(collective, mib // 2, 2) and not plain_read.wanted(collective, mib // 2 - 1, 2)
+        assert not plain_read.wanted(collective, mib // 2, 3) and plain_read.wanted(collective, mib, 4)
     assert not plain_read.wanted("all_reduce", 1 << 40, 2)  # reductions never take CMA
     monkeypatch.setenv("RINGCOMM_CMA_MIN", "4096")           # the knob, as given, whatever the ranks
     assert plain_read.wanted("broadcast", 4096, 8) and not plain_read.wanted("broadcast", 4095, 2)
