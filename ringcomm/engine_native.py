@@ -275,16 +275,21 @@ _lock = threading.Lock()
 def slot_stores(world_size: int) -> int:
     """RINGCOMM_SLOT_STORES: "auto" (each send end measures both ways and takes the cheaper, see
     _to_slot), "stream" (non-temporal stores) or "plain" (ordinary stores). Unset: auto, but
-    stream where this host's ranks outnumber the usable cores. Stacked ranks preempt each other
-    mid-copy, so a copy's time says more about the scheduler than about the stores; on 4 ranks on
-    2 cores neither way won consistently (5 alternating runs), and streaming is what was measured
-    there before."""
+    plain where this host's ranks outnumber the usable cores. Stacked ranks preempt each other
+    mid-copy, so a copy's time says more about the scheduler than about the stores. On the AMD
+    VM these pages began on, 4 ranks on 2 cores, neither way won consistently (5 alternating runs)
+    and streaming stayed; on an Intel Xeon VM ordinary stores won clearly (4 ranks, 30-40-call rows,
+    alternating runs, ordinary against streamed: all_reduce 256 KiB 173-201 us against 282-595,
+    1 MiB 538-696 against 900-1126, 4 MiB 1790-1841 against 2660-2785, 16 MiB 8184-8482 against
+    12000-12656; reduce_scatter 16 MiB 3921 against 5629; broadcast 64 KiB 28.5 against 40.0), and
+    auto lay between (all_reduce 4 MiB 2129-2179): the slot a stacked peer reads next is still in
+    the cache its core shares, where a streamed one went to memory."""
     raw = os.environ.get("RINGCOMM_SLOT_STORES", "").strip().lower()
     if not raw:
-        return STORES_STREAM if oversubscribed(world_size) else STORES_AUTO
+        return STORES_PLAIN if oversubscribed(world_size) else STORES_AUTO
     if raw not in STORE_MODES:
         raise ValueError(f"RINGCOMM_SLOT_STORES={raw!r}: use auto, stream or plain (unset: auto, or "
-                         f"stream with more ranks than cores)")
+                         f"plain with more ranks than cores)")
     return STORE_MODES[raw]
 
 

@@ -229,7 +229,7 @@ def test_slot_stores_knob_is_checked(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cores = len(os.sched_getaffinity(0))
     assert en.slot_stores(cores) == en.STORES_AUTO
-    assert en.slot_stores(cores + 1) == en.STORES_STREAM   # more ranks than cores: the measured default
+    assert en.slot_stores(cores + 1) == en.STORES_PLAIN    # more ranks than cores: the measured default
 
 
 def _lock_path(dtype):
