@@ -197,11 +197,8 @@ class Communicator:
     def barrier(self):
         """Return once every rank has entered the barrier (a dissemination barrier)."""
         token = np.zeros(1, np.uint8)
-        seq = self._next_seq()
-        self._ordinal += 1
-        if self._check and self.world_size > 1:
-            self._fingerprint("barrier", "dissemination", token, token.size, "sum", None, seq)
-        self._execute(p2p.barrier(self.rank, self.world_size), Call("barrier", seq, token, token, 1))
+        self._start("barrier", "dissemination", p2p.barrier(self.rank, self.world_size), token, token,
+                    token.size, "sum", None)
 
     def group(self) -> Group:
         """``with comm.group(): ...``: the calls issued inside start together and all complete

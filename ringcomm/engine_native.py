@@ -424,8 +424,9 @@ class NativeEngine:
 
     def _control(self, plan: NativePlan, dtype, op):
         """(the call's control block, the loop to call, whether it moves 16-bit floats as uint16),
-        made once per (plan, dtype, op): a repeated call only resets NEXT. None where the native
-        arithmetic would not give host.py's bits (float16 without F16C)."""
+        made once per (plan, dtype, op) and reused as it is: where a call starts and how long it
+        polls are the loop's arguments. None where the native arithmetic would not give host.py's
+        bits (float16 without F16C)."""
         if not native_kernels.supported(dtype):
             entry = None
         else:
