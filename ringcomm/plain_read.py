@@ -8,10 +8,11 @@ large messages between processes of one host: one copy, where the FIFO path make
 slot, out of it).
 
 So the read schedules of schedule/onecopy.py run on plain buffers unchanged; only where a
-read step's bytes come from differs (read_engine.py: a mapped view, or a Remote here). Automatic
-choice takes this path for the copy-only collectives (broadcast, all_gather), from CMA_MIN_BYTES
-(measured per collective: below it the FIFO path wins; RINGCOMM_CMA_MIN sets one value for both), when every peer passed
-the probe; RINGCOMM_CMA=0 turns it off.
+read step's bytes come from differs (read_engine.py: a mapped view, or a Remote here; a reducing
+step reduces a fetched copy, piece by piece in cache, since the kernel only copies). Automatic
+choice takes this path for broadcast, all_gather, all_reduce and reduce_scatter, from
+CMA_MIN_BYTES (measured per collective: below it the FIFO path wins; RINGCOMM_CMA_MIN sets one
+value for all), when every peer passed the probe; RINGCOMM_CMA=0 turns it off.
 
 The probe (setup) is collective and runs once per communicator, at the first call that could
 take this path: each rank publishes its pid and the address of a known word, reads every peer's
@@ -33,7 +34,8 @@ from .buffers import address
 from .env import env_number, env_switch
 from .errors import RingcommError
 
-COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight in the output
+COLLECTIVES = ("broadcast", "all_gather", "all_reduce", "reduce_scatter")
+REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a core (wanted())
 # Measured crossovers: below them the FIFO path is as fast or faster (64 KiB broadcast 6 us
 # against 15 us by CMA, whose per-call Python and two syscalls cost ~15 us); above them one copy
 # instead of two wins. They were 2 MiB (broadcast) and 4 MiB (all_gather's output) on an AMD EPYC
@@ -46,8 +48,19 @@ COLLECTIVES = ("broadcast", "all_gather")   # copy-only: a read lands straight i
 # 2 MiB 522-544 against 691-771): there a FIFO slot's lines bounce between the two cores' caches
 # (a broadcast cut into 16 KiB slices ran at 7 GB/s, 256 KiB ones at 16), while a reader's CMA
 # copy pulls them once. The defaults follow the later measurement. Bytes as wanted() counts them:
-# broadcast's buffer, all_gather's output.
-CMA_MIN_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10}
+# broadcast's buffer, all_gather's output, the reductions' input.
+CMA_MIN_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10, "all_reduce": 4 << 20, "reduce_scatter": 4 << 20}
+# The reductions also stop: from 32 MiB the FIFOs win again out of place. Measured on the Intel VM,
+# 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place (in place):
+# all_reduce 1 MiB 181 us against 158-163, 2 MiB 332 against 337 (327 against 351), 4 MiB 562-579
+# against 654-687, 16 MiB 2254-2480 against 2992-3125 (1554-1636 against 2533-3241), 32 MiB 7634
+# against 7604, 64 MiB 17433-18307 against 16446-17161 (12087-13675 against 16098-17075);
+# reduce_scatter 1 MiB 96-104 against 83-87, 2 MiB 228 against 203 (161 against 223), 4 MiB
+# 361-407 against 400-414, 16 MiB 1335-1457 against 1654-1886, 32 MiB 4591 against 3823 (2461
+# against 4107), 64 MiB 11571-12664 against 10124-10192 (7029-7309 against 10991-11024). In place
+# the read path wins from 2 MiB up, with no end; but whether a call is in place is each rank's own
+# choice, and every rank must pick the same algorithm, so the window is by size alone.
+CMA_BELOW_BYTES = {"all_reduce": 32 << 20, "reduce_scatter": 32 << 20}
 
 
 # The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the
@@ -64,17 +77,24 @@ def enabled() -> bool:
 def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     """Whether automatic choice would take the CMA read path for this call (if the probe passes),
     on a communicator of ``ranks`` ranks, all on this host. RINGCOMM_CMA_MIN, where set, is the
-    crossover as given; the default one is scaled by the ranks per core (rounded up): with
+    crossover as given, for every size above it; the default one is scaled by the ranks per core
+    (rounded up), and the reductions' stops below CMA_BELOW_BYTES: with
     more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
     pipeline does not (4 ranks on 2 cores, AMD VM, broadcast: 2 MiB 537-680 us by CMA against
-    440-510 us by the FIFOs, 4 MiB 600-830 against 1050-1190)."""
+    440-510 us by the FIFOs, 4 MiB 600-830 against 1050-1190). The reductions never take it
+    with more ranks than cores: each rank then reads all of its peers' chunks while they wait
+    for the core (Intel VM, 4 ranks on 2 cores, 20-call rows, CMA against FIFOs: all_reduce
+    1 MiB 707 us against 670, 16 MiB 9145 against 9640; reduce_scatter 1 MiB 490 against 320,
+    64 MiB 25748 against 20451: no size won clearly)."""
     if collective not in COLLECTIVES:
         return False
     given = env_number("RINGCOMM_CMA_MIN", None, int)
     if given is not None:
         return nbytes >= given
     per_core = -(-ranks // CORES)
-    return nbytes >= CMA_MIN_BYTES[collective] * max(1, per_core)
+    if per_core > 1 and collective in REDUCING:
+        return False
+    return CMA_MIN_BYTES[collective] * max(1, per_core) <= nbytes < CMA_BELOW_BYTES.get(collective, 1 << 62)
 
 
 class Remote:

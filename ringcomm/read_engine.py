@@ -48,6 +48,11 @@ PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated pa
 # numpy calls. 2-rank registered reduce_scatter, alternating in one run: 4 MiB 164-170 us with
 # 256 KiB pieces, 146-147 with 1 MiB; 16 MiB 1469-1585 against 1320-1423; 64 MiB the same.
 ONE_PASS_PIECE_BYTES = 1024 * 1024
+# A peer's plain buffer is reduced from a copy fetched by CMA, a piece at a time (_reduce_fetched).
+# 2-rank reduce_scatter and all_reduce, 1-64 MiB, alternating with MPICH: 256 KiB pieces were the
+# best or within noise of it; 64 KiB ones 1.2-1.4x slower (a system call and its pinning per
+# piece), 1 MiB ones no faster.
+FETCH_PIECE_BYTES = 256 * 1024
 
 
 def ctl_words(n: int) -> int:
@@ -141,11 +146,12 @@ class ReadEngine:
             else:
                 stream_copy.copy(out, srcs[0])
             return
-        if any(isinstance(s, Remote) for s in srcs):  # settle never picks "read" for these on plain buffers
-            raise RingcommError(f"{call.name} #{call.seq}: a reducing read step needs registered buffers "
-                                f"(comm.alloc); plain buffers are read by CMA only in copy steps")
         mine = [i for i, q in enumerate(step.remote) if q == me]
-        self._reduce(out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]))
+        via_scratch = bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]])
+        if any(isinstance(s, Remote) for s in srcs):
+            self._reduce_fetched(ex, call, out, srcs, fn, via_scratch)
+        else:
+            self._reduce(out, srcs, fn, via_scratch)
         if step.final:
             kernels.postprocess(out, call.op, self.reg.n)
 
@@ -165,10 +171,34 @@ class ReadEngine:
             if via_scratch:
                 out[a:b] = acc
 
-    def _scratch(self, dtype, size) -> np.ndarray:
-        buf = self.scratch.get(dtype)
+    def _reduce_fetched(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
+        """_reduce where some operands are peers' plain buffers (Remote): each piece of those is
+        first copied by CMA into a piece-sized buffer of this rank's, then reduced from there while
+        it is still in L2. The kernel can copy but not reduce, so a remote byte is copied once, into
+        this cache; the FIFO path copies it twice (into a slot by its owner, out of it here), a
+        mapped read of a registered buffer not at all."""
+        piece = max(1, FETCH_PIECE_BYTES // out.itemsize)
+        held = [(j, self._scratch(out.dtype, piece, 1 + j)) for j, s in enumerate(srcs) if isinstance(s, Remote)]
+        scratch = self._scratch(out.dtype, piece) if via_scratch else None
+        for a in range(0, out.size, piece):
+            b = min(a + piece, out.size)
+            ops = [s if isinstance(s, Remote) else s[a:b] for s in srcs]
+            for j, buf in held:
+                ops[j] = buf[:b - a]
+                self._cma(ex, call, srcs[j][a:b], ops[j])
+            acc = scratch[:b - a] if via_scratch else out[a:b]
+            fn(ops[0], ops[1], out=acc)
+            for s in ops[2:]:
+                fn(acc, s, out=acc)
+            if via_scratch:
+                out[a:b] = acc
+
+    def _scratch(self, dtype, size, which: int = 0) -> np.ndarray:
+        """A reusable buffer of at least ``size`` elements: 0 for in-place pieces, 1 + j for the
+        fetched pieces of operand j."""
+        buf = self.scratch.get((dtype, which))
         if buf is None or buf.size < size:
-            buf = self.scratch[dtype] = np.empty(size, dtype)
+            buf = self.scratch[dtype, which] = np.empty(size, dtype)
         return buf
 
     def _view(self, ex, call, q: int, which: str, views: dict, verb: str = "read") -> np.ndarray:

@@ -88,7 +88,7 @@ def test_probe_says_why_a_target_is_not_permitted():
     assert "other bytes" in cma.probe(os.getpid(), word.ctypes.data, b"RINGCMA!")
 
 
-def test_the_crossover_grows_with_ranks_per_core(monkeypatch):
+def test_the_crossover_grows_with_ranks_per_core_and_reductions_need_a_core_each(monkeypatch):
     from ringcomm import plain_read
     monkeypatch.delenv("RINGCOMM_CMA_MIN", raising=False)
     monkeypatch.setattr(plain_read, "CORES", 2)
@@ -96,6 +96,11 @@ def test_the_crossover_grows_with_ranks_per_core(monkeypatch):
     for collective in ("broadcast", "all_gather"):   # 512 KiB a rank per core, rounded up
         assert plain_read.wanted(collective, mib // 2, 2) and not plain_read.wanted(collective, mib // 2 - 1, 2)
         assert not plain_read.wanted(collective, mib // 2, 3) and plain_read.wanted(collective, mib, 4)
-    assert not plain_read.wanted("all_reduce", 1 << 40, 2)  # reductions never take CMA
+    for collective in ("all_reduce", "reduce_scatter"):   # 4 MiB up to 32 MiB of input, a core a rank
+        assert plain_read.wanted(collective, 4 * mib, 2) and not plain_read.wanted(collective, 4 * mib - 1, 2)
+        assert plain_read.wanted(collective, 32 * mib - 1, 1) and not plain_read.wanted(collective, 32 * mib, 2)
+        assert not plain_read.wanted(collective, 8 * mib, 3)
+    assert not plain_read.wanted("reduce", 1 << 40, 2)  # a rooted reduce keeps the FIFOs
     monkeypatch.setenv("RINGCOMM_CMA_MIN", "4096")           # the knob, as given, whatever the ranks
     assert plain_read.wanted("broadcast", 4096, 8) and not plain_read.wanted("broadcast", 4095, 2)
+    assert plain_read.wanted("all_reduce", 1 << 40, 8)       # no upper end, nor a core a rank, then

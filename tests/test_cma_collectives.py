@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from cases import DTYPES, compare, make_input, reference, run_case
+from cases import DTYPES, call_case, compare
 from harness import World
 from ringcomm.transport import cma
 
@@ -29,12 +29,22 @@ def _cases(n):
     # out of place, 8 MiB and 12 bytes a rank: the own block's copy streams (stream_copy)
     cases.append(dict(collective="all_gather", dtype="float32", op="sum", count=(2 << 20) + 3, algo=None,
                       root=0, inplace=False, seed=98))
+    # reductions of fetched pieces: several pieces and a short last one, every op, 1- to 8-byte types
+    for j, (coll, dtype, op) in enumerate([("all_reduce", "float32", "avg"), ("all_reduce", "int8", "prod"),
+                                           ("all_reduce", "bfloat16", "max"), ("reduce_scatter", "float64", "min"),
+                                           ("reduce_scatter", "int32", "sum"), ("reduce_scatter", "float16", "avg")]):
+        count = (1 << 19) // np.dtype("float32" if dtype == "bfloat16" else dtype).itemsize * 3 + 5
+        cases.append(dict(collective=coll, dtype=dtype, op=op, count=count, algo=None, root=0,
+                          inplace=bool(j % 2), seed=50 + j))
     return cases
 
 
 def _both_paths(comm, cases):
     """Every case by CMA reads (RINGCOMM_CMA_MIN=1: from one byte) and by the FIFOs: right both
-    times, the same bytes, and only the copy-only collectives took the read steps."""
+    times, only the collectives in plain_read.COLLECTIVES on the read steps (reduce keeps the
+    FIFOs), and the same bytes wherever the result is exact (copies, integers, min and max: a float
+    sum's order differs between the read schedule and the ring; both are checked as right)."""
+    from ringcomm import plain_read
     reg, errors = comm._registry, []
     for case in cases:
         got = {}
@@ -42,35 +52,24 @@ def _both_paths(comm, cases):
             if reg is not None:
                 reg.cma = cma_on if reg.cma is not None else None
             calls = reg.engine.calls if reg is not None else 0
-            err = run_case(comm, case)
+            result, want = call_case(comm, case)
+            err = compare(result, want, case)
             reg = comm._registry
             if err:
                 errors.append(f"cma={cma_on}: {err}")
             read = reg.engine.calls - calls if reg is not None else 0
-            copy_only = case["collective"] in ("broadcast", "all_gather")
-            if read != (cma_on and copy_only):
+            if read != (cma_on and case["collective"] in plain_read.COLLECTIVES):
                 errors.append(f"cma={cma_on}: {case}: {read} read calls")
-            got[cma_on] = _result(comm, case)
-        if got[True] != got[False]:
+            got[cma_on] = result.tobytes()
+        exact = (case["collective"] in ("broadcast", "all_gather") or case["op"] in ("min", "max")
+                 or np.dtype(case["dtype"] if case["dtype"] != "bfloat16" else "uint16").kind in "iu")
+        if exact and got[True] != got[False]:
             errors.append(f"{case}: CMA and FIFO results differ")
     return errors
 
 
-def _result(comm, case):
-    """The case's output bytes, run again (run_case checks; this keeps them to compare paths)."""
-    n, r = comm.world_size, comm.rank
-    inputs = [make_input(case, k, case["count"]) for k in range(n)]
-    if case["collective"] == "broadcast":
-        x = inputs[r].copy()
-        return comm.broadcast(x, case["root"]).tobytes()
-    if case["collective"] == "all_gather":
-        out = np.empty(case["count"] * n, inputs[r].dtype)
-        return comm.all_gather(inputs[r], out).tobytes()
-    return b""
-
-
 @pytest.mark.timeout(240)
-def test_copy_collectives_read_plain_buffers_by_cma_with_the_fifo_bits():
+def test_collectives_read_plain_buffers_by_cma_as_right_as_by_the_fifos():
     with World(3, {"RINGCOMM_CMA_MIN": "1", "RINGCOMM_BUFFSIZE": "65536"}, timeout=120) as w:
         errors = w.run(_both_paths, _cases(3), timeout=200)
     assert errors == [[]] * 3, "\n".join(e for errs in errors for e in errs)
@@ -96,9 +95,10 @@ def test_a_refused_probe_on_one_rank_keeps_every_rank_on_the_fifos(how):
         assert w.run(_refuse, how, timeout=60) == [(False, True, True)] * 2
 
 
-def _die_during(comm, method, root):
-    """Rank 0 copies by CMA to or from rank 1 (Remote.copy_to: it reads the root, rank 1's, buffer;
-    copy_from: as the root it writes half of rank 1's); rank 1 is killed just as the copy starts."""
+def _die_during(comm, method, root, collective):
+    """Rank 0 copies by CMA to or from rank 1 (Remote.copy_to: it reads rank 1's buffer, the
+    broadcast's root or an all_reduce's input chunk to reduce; copy_from: as the root it writes
+    half of rank 1's); rank 1 is killed just as the copy starts."""
     from ringcomm import plain_read
     original = getattr(plain_read.Remote, method)
 
@@ -109,7 +109,7 @@ def _die_during(comm, method, root):
         original(self, arr)
 
     setattr(plain_read.Remote, method, killed_first)
-    comm.broadcast(np.full(1 << 20, comm.rank, np.float32), root=root)
+    _call(comm, root, collective)
 
 
 def _gone(pid):
@@ -120,18 +120,23 @@ def _gone(pid):
         return True
 
 
-def _broadcast(comm, root):
-    comm.broadcast(np.full(1 << 20, comm.rank, np.float32), root=root)
+def _call(comm, root, collective):
+    x = np.full(1 << 20, comm.rank, np.float32)
+    if collective == "broadcast":
+        comm.broadcast(x, root=root)
+    else:
+        comm.all_reduce(x)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("method, root, doing", [
-    ("copy_to", 1, "reading \\(CMA\\) its buffer in broadcast #\\d+ from"),
-    ("copy_from", 0, "writing \\(CMA\\) into its buffer in broadcast #\\d+ of")])
-def test_a_peer_killed_during_a_cma_copy_is_reported_at_once(method, root, doing):
+@pytest.mark.parametrize("method, root, collective, doing", [
+    ("copy_to", 1, "broadcast", "reading \\(CMA\\) its buffer in broadcast #\\d+ from"),
+    ("copy_from", 0, "broadcast", "writing \\(CMA\\) into its buffer in broadcast #\\d+ of"),
+    ("copy_to", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from")])
+def test_a_peer_killed_during_a_cma_copy_is_reported_at_once(method, root, collective, doing):
     with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=60) as w:
-        w.start(_die_during, method, root, ranks=[0])
-        w.start(_broadcast, root, ranks=[1])
+        w.start(_die_during, method, root, collective, ranks=[0])
+        w.start(_call, root, collective, ranks=[1])
         t0 = time.monotonic()
         status, text = w.collect([0], 60)[0]
         took = time.monotonic() - t0

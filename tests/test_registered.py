@@ -20,6 +20,7 @@ from ringcomm.schedule.onecopy import read_all_reduce
 from ringcomm.schedule.simulate import ScheduleError, check
 from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync
 from ringcomm.schedule.verify import verify_schedules
+from ringcomm.transport import cma
 
 # The collectives with a one-copy algorithm (all_to_all, gather and scatter have none).
 READ_COLLECTIVES = tuple(c for c in COLLECTIVES if "read" in catalogue.ALGOS[c])
@@ -514,18 +515,27 @@ def test_alloc_without_shared_memory_is_ordinary_memory(pair):
 
 def _mixed(comm):
     a = comm.alloc(READ_MIN_BYTES // 4, np.float32)  # every rank allocates (collective) ...
+    a[:] = 1
     buf = a if comm.rank == 0 else np.ones(a.size, np.float32)  # ... but rank 1 passes plain memory
     try:
         comm.all_reduce(buf)
-        return "ran"
+        return f"ran: {np.unique(buf).tolist()}"
     except ringcomm.RingcommError as e:
         return f"{type(e).__name__}: {e}"
 
 
 @pytest.mark.timeout(120)
-def test_debug_check_names_a_rank_that_passes_plain_memory():
-    with World(2, {"RINGCOMM_DEBUG": "check"}, timeout=30) as w:
+def test_debug_check_names_a_rank_that_passes_plain_memory_its_peer_cannot_read():
+    # RINGCOMM_CMA=0: rank 0 cannot read rank 1's plain buffer, so only rank 0 picks the read steps
+    with World(2, {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA": "0"}, timeout=30) as w:
         answers = w.run(_mixed, timeout=60)
     for text in answers:  # both ranks raise, naming what each called, instead of waiting for the timeout
         assert text.startswith("CollectiveMismatch") and "rank 0 called collective #1: all_reduce(" in text
         assert "algo=read)" in text and text.count("algo=read") == 1, text
+
+
+@pytest.mark.skipif(not cma.available(), reason="no process_vm_readv in this libc (not Linux)")
+@pytest.mark.timeout(120)
+def test_registered_and_plain_buffers_mix_where_peers_read_plain_ones_by_cma():
+    with World(2, {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA_MIN": str(READ_MIN_BYTES)}, timeout=30) as w:
+        assert w.run(_mixed, timeout=60) == ["ran: [2.0]"] * 2
