@@ -15,6 +15,9 @@
                                the 8-byte MOVNTI writes in eight pieces (one core, 64 MiB: 18 against
                                15 GB/s; glibc's memcpy 11-13 GB/s); weakly ordered like store_stream
     stream_fence()             every earlier streaming store lands before any later store (SFENCE)
+    call_c(fn, a, b, c, d, e, f)   the C function at address ``fn`` called with six int64 (or
+                               pointer) arguments, its int64 result: libc's system calls from
+                               compiled code whose disk cache must not hold a process's addresses
 
 Why atomics for plain counters: a compiled spin loop over an ordinary array load may be hoisted
 by LLVM out of the loop (nothing in the loop writes it), and then it never sees the peer's store.
@@ -35,9 +38,9 @@ import time
 _lock = threading.RLock()  # cycles_per_second() holds it while it calls intrinsics()
 _done = None
 load_acquire = store_release = fence = cpu_pause = cycles = typed_ptr = None   # set by intrinsics()
-load_word = store_stream = stream_line = stream_fence = None
+load_word = store_stream = stream_line = stream_fence = call_c = None
 NAMES = ("load_acquire", "store_release", "fence", "cpu_pause", "cycles", "typed_ptr", "load_word", "store_stream",
-         "stream_line", "stream_fence")
+         "stream_line", "stream_fence", "call_c")
 
 
 def intrinsics():
@@ -150,8 +153,15 @@ def _make():
             return context.get_dummy_value()
         return types.void(), codegen
 
+    @intrinsic
+    def call_c(typingctx, fn, a, b, c, d, e, f):
+        def codegen(context, builder, sig, args):
+            proto = ir.FunctionType(i64, [i64] * 6)
+            return builder.call(builder.inttoptr(args[0], proto.as_pointer()), list(args[1:]))
+        return types.int64(*[types.int64] * 7), codegen
+
     return (load_acquire, store_release, fence, cpu_pause, cycles, typed_ptr, load_word, store_stream,
-            stream_line, stream_fence)
+            stream_line, stream_fence, call_c)
 
 
 _hz = None

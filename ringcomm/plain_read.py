@@ -47,9 +47,16 @@ REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a c
 # 256 KiB no gain) and on 4 ranks from 1 MiB (broadcast 1 MiB 271-281 against 412-414, all_gather
 # 2 MiB 522-544 against 691-771): there a FIFO slot's lines bounce between the two cores' caches
 # (a broadcast cut into 16 KiB slices ran at 7 GB/s, 256 KiB ones at 16), while a reader's CMA
-# copy pulls them once. The defaults follow the later measurement. Bytes as wanted() counts them:
-# broadcast's buffer, all_gather's output, the reductions' input.
-CMA_MIN_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10, "all_reduce": 4 << 20, "reduce_scatter": 4 << 20}
+# copy pulls them once. Then the copy-only calls went compiled (read_native.py: ~7 us of Python
+# less a call), and on the same Intel VM CMA won from 128 KiB with a core per rank (2 ranks,
+# 100-call rows alternating with MPICH, CMA against FIFOs: broadcast 64 KiB 6.9 us against
+# 6.1-7.5, 128 KiB 8.0 against 9.3-9.9, 256 KiB 10.1 against 16-17; all_gather 64 KiB of output 9.0
+# against 8.4, 128 KiB 11.3 against 13.3, 256 KiB 15.4 against 23.8), while 4 ranks on 2 cores
+# kept 1 MiB (40-call rows: broadcast 256 KiB 139 us against 73, 1 MiB 309 against 533). Bytes as
+# wanted() counts them: broadcast's buffer, all_gather's output, the reductions' input.
+CMA_MIN_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10, "all_reduce": 4 << 20, "reduce_scatter": 4 << 20}
+# With more ranks than cores: this much per rank a core holds (rounded up), copies only.
+CMA_MIN_STACKED_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10}
 # The reductions also stop: from 32 MiB the FIFOs win again out of place. Measured on the Intel VM,
 # 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place (in place):
 # all_reduce 1 MiB 181 us against 158-163, 2 MiB 332 against 337 (327 against 351), 4 MiB 562-579
@@ -77,9 +84,9 @@ def enabled() -> bool:
 def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     """Whether automatic choice would take the CMA read path for this call (if the probe passes),
     on a communicator of ``ranks`` ranks, all on this host. RINGCOMM_CMA_MIN, where set, is the
-    crossover as given, for every size above it; the default one is scaled by the ranks per core
-    (rounded up), and the reductions' stops below CMA_BELOW_BYTES: with
-    more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
+    crossover as given, for every size above it. By default it is CMA_MIN_BYTES with a core per
+    rank (the reductions' stopping below CMA_BELOW_BYTES), else CMA_MIN_STACKED_BYTES scaled by
+    the ranks per core (rounded up): with more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
     pipeline does not (4 ranks on 2 cores, AMD VM, broadcast: 2 MiB 537-680 us by CMA against
     440-510 us by the FIFOs, 4 MiB 600-830 against 1050-1190). The reductions never take it
     with more ranks than cores: each rank then reads all of its peers' chunks while they wait
@@ -92,9 +99,11 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     if given is not None:
         return nbytes >= given
     per_core = -(-ranks // CORES)
-    if per_core > 1 and collective in REDUCING:
-        return False
-    return CMA_MIN_BYTES[collective] * max(1, per_core) <= nbytes < CMA_BELOW_BYTES.get(collective, 1 << 62)
+    if per_core > 1:
+        if collective in REDUCING:
+            return False
+        return nbytes >= CMA_MIN_STACKED_BYTES[collective] * per_core
+    return CMA_MIN_BYTES[collective] <= nbytes < CMA_BELOW_BYTES.get(collective, 1 << 62)
 
 
 class Remote:

@@ -1,18 +1,7 @@
 """The one-copy engine: runs the read steps of schedule/onecopy.py on registered buffers (comm.alloc).
 
-ringcomm/registered.py maps the segments; this module is the protocol over them. Each rank's
-control segment (int64 words, written only by its owner, read by its peers; each word is stored
-after what it announces, which x86's store order makes visible first, as transport/shm.py
-explains and checks) holds:
-
-    CALLS        registered calls this rank has entered; the descriptor below belongs to the last
-    DESC..+3     where this call's input and output are: (allocation index, byte offset) each;
-                 for a plain buffer (-1, its address in this process), read by CMA (plain_read.py)
-    DESC+4, +5   the input's and the output's byte counts
-    SYNC + p     syncs this rank has reached with rank p (step kind "sync"), counted for the whole run
-    SYNC + n + p set while this rank sleeps on one of rank p's words (p's publish wakes it only then);
-                 ctl_words(n) = SYNC + 2n words in all
-    PID, CLOSED  liveness, as in transport/shm.py; MAPPED: allocations whose peers this rank mapped
+ringcomm/registered.py maps the segments; this module is the protocol over them, over the
+words of each rank's control segment (ctl_layout.py).
 
 A read of peer q's buffer waits until q's CALLS reaches this call (q has entered it and its
 descriptor is valid). A sync with p first counts this rank's arrival, then waits until p's count
@@ -22,7 +11,8 @@ reads it. All ranks make the same registered calls in the same order, so call nu
 
 One call is one round over the whole buffer (no slicing: nothing is staged). Reductions run in
 cache-sized pieces, so the n - 1 passes over an output piece stay in L2. numpy, whichever engine
-the communicator runs: the executor sends read schedules here before the native engine sees them.
+the communicator runs: the executor sends read schedules here before the native engine sees them;
+on the native engine, calls that only copy plain buffers by CMA run compiled (read_native.py).
 """
 from __future__ import annotations
 
@@ -36,13 +26,13 @@ from ringcomm.kernels import host as kernels
 from ringcomm.transport.base import PeerGone
 from ringcomm.transport.cma import CmaError
 
-from . import stream_copy
+from . import native_sync, stream_copy
 from .buffers import address
+from .ctl_layout import CALLS, DESC, PID, SYNC
 from .errors import RingcommError
 from .plain_read import Remote
 from .schedule.step import chunk_span
 
-PID, CLOSED, CALLS, MAPPED, DESC, SYNC = 1, 2, 3, 4, 8, 16  # int64 word indices (word 0: magic)
 PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated passes stay in L2
 # ...but one pass (two operands, straight into the output) reuses nothing: bigger pieces, fewer
 # numpy calls. 2-rank registered reduce_scatter, alternating in one run: 4 MiB 164-170 us with
@@ -55,40 +45,81 @@ ONE_PASS_PIECE_BYTES = 1024 * 1024
 FETCH_PIECE_BYTES = 256 * 1024
 
 
-def ctl_words(n: int) -> int:
-    """Words in the control segment of a rank among n: SYNC + p, then SYNC + n + p, for every rank p."""
-    return SYNC + 2 * n
-
-
 class ReadEngine:
     """One communicator's engine for read steps, over its Registry's mappings."""
 
     def __init__(self, reg):
         self.reg = reg
         self.calls = 0                       # registered calls entered, as published in CALLS
-        self.syncs = [0] * reg.n             # syncs reached with each peer, as published in SYNC + p
+        self.syncs = np.zeros(reg.n, np.int64)   # syncs reached with each peer, as published in SYNC + p
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
         self.plans: dict = {}                # (id(schedule), m) -> (schedule, reduces?, spans): _plan
+        self.compiled: dict = {}             # (id(schedule), m, itemsize) -> (schedule, read_native plan)
+        self.peer_words = None               # the peers' control words' addresses (read_native)
+        self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
 
     def run(self, ex, sched, call) -> None:
         """Run a "read" schedule (one round: the whole buffer) on registered buffers, or on plain ones
         that the peers read by CMA (plain_read.py)."""
         ex._call, ex._nsteps = call, len(sched.steps)   # first: from the CALLS store on, peers may read
-        words = self.reg.ctl.words
         # Each address once per call (address() costs ~1 us of Python: a 16 KiB call's CMA read is ~7).
         ain = address(call.inp)
         aout = ain if call.out is call.inp else address(call.out)
-        words[DESC:DESC + 6] = (*self._where(call.inp, ain), *self._where(call.out, aout),
-                                call.inp.nbytes, call.out.nbytes)
         self.calls += 1
-        self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
+        start, arrived = 0, False
+        compiled = self._compiled(ex, sched, call)
+        if compiled is not None:   # the whole call in compiled code, or up to where Python goes on
+            start, arrived = self._run_compiled(ex, compiled, ain, aout, call)
+            if start is None:
+                return
+        else:
+            words = self.reg.ctl.words
+            words[DESC:DESC + 6] = (*self._where(call.inp, ain), *self._where(call.out, aout),
+                                    call.inp.nbytes, call.out.nbytes)
+            self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
         views: dict = {}
         reduces, spans = self._plan(sched, call.m)
         if not reduces:   # copy-only: no kernel, no errstate
-            self._steps(ex, sched, call, None, views, ain, aout, spans)
+            self._steps(ex, sched, call, None, views, ain, aout, spans, start, arrived)
             return
         with np.errstate(all="ignore"):
-            self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout, spans)
+            self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout, spans,
+                        start, arrived)
+
+    def _compiled(self, ex, sched, call):
+        """read_native's plan for this call, where the compiled path applies: the native engine, plain
+        buffers read by CMA (no allocation of this rank's is registered), a schedule that only
+        copies, and local copies below stream_copy's threshold (the compiled path does not stream)."""
+        reg = self.reg
+        if ex.native is None or not reg.cma or reg.mine or call.out.nbytes >= stream_copy.STREAM_MIN_BYTES:
+            return None
+        key = (id(sched), call.m, call.inp.itemsize)
+        got = self.compiled.get(key)
+        if got is None or got[0] is not sched:
+            from . import read_native
+            if len(self.compiled) >= 64:
+                self.compiled.clear()
+            got = self.compiled[key] = (sched, read_native.plan(sched, call, reg.rank))
+        return got[1]
+
+    def _run_compiled(self, ex, compiled, ain: int, aout: int, call):
+        """Run the call in read_native's compiled function: (None, None) when it finished, else the
+        step (and whether its sync arrivals are published) from which Python goes on."""
+        from . import read_native
+        reg = self.reg
+        if self.peer_words is None:
+            self.peer_words = np.array([0 if p == reg.rank else reg.peers[p, "ctl"].base for p in range(reg.n)],
+                                       np.int64)
+            budget = int(min(ex._spin_s, read_native.SPIN_S) * native_sync.cycles_per_second())
+            self.fns = read_native.functions(reg.n, reg.rank, budget)
+            self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
+            self.run_call = read_native.kernel()
+        status = self.run_call(compiled[0], compiled[1], -1, False, reg.ctl.words, self.peer_words, self.calls,
+                               self.syncs, ain, aout, call.inp.nbytes, call.out.nbytes, self.fns, self.iov, self.res)
+        if status == read_native.DONE:
+            return None, None
+        self.handed_back += 1
+        return int(self.res[0]), bool(self.res[1])
 
     def _plan(self, sched, m: int) -> tuple[bool, list]:
         """(whether any step reduces, each step's (input offset, length, output offset)) for this
@@ -106,11 +137,15 @@ class ReadEngine:
             got = self.plans[key] = (sched, any(step.reduces for step in sched.steps), spans)
         return got[1], got[2]
 
-    def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, spans) -> None:
-        for i, step in enumerate(sched.steps):
+    def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, spans, start: int = 0,
+               arrived: bool = False) -> None:
+        """The steps from ``start`` (where the compiled path handed over; ``arrived``: that step is a
+        sync whose arrivals it published)."""
+        for i in range(start, len(sched.steps)):
+            step = sched.steps[i]
             ex._step = i
             if step.kind == "sync":
-                self._sync(ex, call, step.remote)
+                self._sync(ex, call, step.remote, arrived and i == start)
             else:
                 self._step(ex, call, step, fn, views, ain, aout, *spans[i])
 
@@ -249,13 +284,14 @@ class ReadEngine:
                                 f"{e}") from None
         ex._waiting = None
 
-    def _sync(self, ex, call, peers) -> None:
+    def _sync(self, ex, call, peers, arrived: bool = False) -> None:
         me = self.reg.rank
-        for p in peers:  # arrive at every pair's barrier first, then wait: no order can deadlock
-            self.syncs[p] += 1
-            self.reg.publish(SYNC + p, self.syncs[p])
+        if not arrived:
+            for p in peers:  # arrive at every pair's barrier first, then wait: no order can deadlock
+                self.syncs[p] += 1
+                self.reg.publish(SYNC + p, int(self.syncs[p]))
         for p in peers:
-            theirs, want = self.reg.peers[p, "ctl"].words, self.syncs[p]
+            theirs, want = self.reg.peers[p, "ctl"].words, int(self.syncs[p])
             if theirs[SYNC + me] < want:
                 self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(
                     e, f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"), ex, SYNC + me)

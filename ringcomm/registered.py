@@ -37,7 +37,8 @@ from . import plain_read
 from .buffers import address
 from .catalogue import ALGOS
 from .errors import CollectiveTimeout, RingcommError
-from .read_engine import CLOSED, MAPPED, PID, SYNC, ReadEngine, ctl_words
+from .ctl_layout import CLOSED, MAPPED, PID, SYNC, ctl_words
+from .read_engine import ReadEngine
 from .schedule.onecopy import ALGO
 
 MAGIC = 0x52434D5247310001  # "RCMRG1", layout version 1

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+import ringcomm
 from cases import DTYPES, call_case, compare
 from harness import World
 from ringcomm.transport import cma
@@ -75,6 +76,44 @@ def test_collectives_read_plain_buffers_by_cma_as_right_as_by_the_fifos():
     assert errors == [[]] * 3, "\n".join(e for errs in errors for e in errs)
 
 
+def _late_and_mismatched(comm, engine):
+    """On 2 ranks, copy-only calls on one engine: rank 1 entering late (the compiled wait hands
+    over to Python's), then sizes that differ between the ranks (an error on both, no hang)."""
+    comm._executor.engine = engine
+    x = np.arange(50_000, dtype=np.float32) * (comm.rank + 1)
+    out = np.empty(2 * x.size, np.float32)
+    comm.all_gather(x, out)                  # the probe, and the compiled plan's first use
+    eng = comm._registry.engine
+    before = eng.handed_back
+    if comm.rank == 1:
+        time.sleep(0.05)                     # arrives 50 ms late: rank 0's 200 us of polling end
+    comm.broadcast(x, root=1)
+    got = np.empty(14, np.int64)
+    comm.all_gather(np.full(7, comm.rank, np.int64), got)
+    late = eng.handed_back - before
+    right = bool((x == np.arange(x.size) * 2).all()) and got.tolist() == [0] * 7 + [1] * 7
+    try:
+        comm.broadcast(np.zeros(1000 + comm.rank, np.float32), root=0)
+        mismatch = "no error"
+    except ringcomm.RingcommError as e:
+        mismatch = str(e)
+    return right, late, mismatch
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_a_late_peer_and_mismatched_sizes_on_the_copy_path(engine):
+    with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=30) as w:
+        results = w.run(_late_and_mismatched, engine, timeout=60)
+    for rank, (right, late, mismatch) in enumerate(results):
+        assert right, f"rank {rank}: wrong results"
+        assert "different sizes" in mismatch, f"rank {rank}: {mismatch}"
+    if engine == "native":   # rank 0 waited in compiled code first, then handed the wait to Python
+        assert results[0][1] >= 1, results
+    else:
+        assert results[0][1] == 0, results
+
+
 def _refuse(comm, how):
     if comm.rank == 1:
         if how == "eperm":  # what a Yama or container refusal returns, for this rank's probes
@@ -95,20 +134,37 @@ def test_a_refused_probe_on_one_rank_keeps_every_rank_on_the_fifos(how):
         assert w.run(_refuse, how, timeout=60) == [(False, True, True)] * 2
 
 
-def _die_during(comm, method, root, collective):
-    """Rank 0 copies by CMA to or from rank 1 (Remote.copy_to: it reads rank 1's buffer, the
-    broadcast's root or an all_reduce's input chunk to reduce; copy_from: as the root it writes
-    half of rank 1's); rank 1 is killed just as the copy starts."""
-    from ringcomm import plain_read
-    original = getattr(plain_read.Remote, method)
+def _die_during(comm, method, root, collective, engine):
+    """Rank 0 copies by CMA to or from rank 1 (copy_to: it reads rank 1's buffer, the broadcast's
+    root or an all_reduce's input chunk to reduce; copy_from: as the root it writes half of rank
+    1's); rank 1 is killed just as the copy starts: in Python's Remote copy (the reference engine,
+    and reductions), or, for the compiled copy-only calls (read_native.py), once rank 1 has
+    entered the call and before the compiled code reads its descriptor."""
+    from ringcomm import plain_read, read_engine
+    comm._executor.engine = engine
 
-    def killed_first(self, arr):
-        os.kill(self.pid, signal.SIGKILL)
-        while not _gone(self.pid):   # it is our sibling: a zombie of the test process, not reaped
+    def kill(pid):
+        os.kill(pid, signal.SIGKILL)
+        while not _gone(pid):   # it is our sibling: a zombie of the test process, not reaped
             time.sleep(0.01)
-        original(self, arr)
 
-    setattr(plain_read.Remote, method, killed_first)
+    if engine == "python" or collective != "broadcast":
+        original = getattr(plain_read.Remote, method)
+
+        def killed_first(self, arr):
+            kill(self.pid)
+            original(self, arr)
+        setattr(plain_read.Remote, method, killed_first)
+    else:
+        compiled = read_engine.ReadEngine._run_compiled
+
+        def killed_first(self, *args):
+            words, deadline = self.reg.peers[1, "ctl"].words, time.monotonic() + 30
+            while words[read_engine.CALLS] < self.calls and time.monotonic() < deadline:
+                time.sleep(0.001)   # polls until rank 1 has entered the call (its descriptor is out)
+            kill(int(words[read_engine.PID]))
+            return compiled(self, *args)
+        read_engine.ReadEngine._run_compiled = killed_first
     _call(comm, root, collective)
 
 
@@ -129,13 +185,14 @@ def _call(comm, root, collective):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["native", "python"])
 @pytest.mark.parametrize("method, root, collective, doing", [
     ("copy_to", 1, "broadcast", "reading \\(CMA\\) its buffer in broadcast #\\d+ from"),
     ("copy_from", 0, "broadcast", "writing \\(CMA\\) into its buffer in broadcast #\\d+ of"),
     ("copy_to", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from")])
-def test_a_peer_killed_during_a_cma_copy_is_reported_at_once(method, root, collective, doing):
+def test_a_peer_killed_during_a_cma_copy_is_reported_at_once(method, root, collective, doing, engine):
     with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=60) as w:
-        w.start(_die_during, method, root, collective, ranks=[0])
+        w.start(_die_during, method, root, collective, engine, ranks=[0])
         w.start(_call, root, collective, ranks=[1])
         t0 = time.monotonic()
         status, text = w.collect([0], 60)[0]

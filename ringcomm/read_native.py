@@ -1,0 +1,208 @@
+"""The read engine's copy-only calls on plain buffers, compiled: one call into numba per collective.
+
+A 2-rank broadcast of 256 KiB by CMA reads 128 KiB (its root writes the other half); the system
+call takes ~5.5 us from compiled code, yet the whole call took ~18 us: the rest was Python, about
+a microsecond for each descriptor store, address, wait check, Remote and ctypes call of
+read_engine.py. MPICH reads by CMA too, from 64 KiB, and does the call in ~11 us. So for the
+schedules that only copy (broadcast, all_gather: schedule/onecopy.py) this module runs the whole
+call in one compiled function over a plan of rows, one per copy, read, write or sync:
+
+    publish the descriptor and CALLS            (as ReadEngine.run, then wake sleeping peers)
+    copy      out[oo:oo+k] = inp[io:io+k]       (memmove; none when in place)
+    read      out[oo:oo+k] = peer's in/out      (process_vm_readv, once the peer has entered)
+    write     peer's out[oo:oo+k] = inp[io:io+k] (process_vm_writev)
+    sync      arrive at each pair's count, then wait for the peers' (as ReadEngine._sync)
+
+The protocol is read_engine.py's, word for word, so a compiled rank and a Python one (the
+reference engine, RINGCOMM_ENGINE=python) work together. What the compiled function does not do
+it hands back to Python at the step where it stands, and ReadEngine._steps goes on from there:
+a wait that lasts longer than its spin budget (Python's waits yield, sleep on a futex, watch the
+deadline, abort() and liveness), a failed system call (Python does the step again and explains
+the error: a dead peer, a refused read), a peer whose buffer is registered (a mapped view, not
+CMA) or of another size (Python's error names it).
+
+libc's functions are called through their addresses (native_sync.call_c), passed in at run time,
+so the compiled code is cached on disk like the native engine's.
+"""
+from __future__ import annotations
+
+import ctypes
+import platform
+import threading
+
+import numpy as np
+
+from . import native_sync
+from .ctl_layout import CALLS, DESC, PID, SYNC
+
+DONE, WAIT, HAND_BACK = 0, 1, 2   # what the compiled call returns; res = (step, arrived) for the last two
+COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
+# A plan row: the schedule's step index, the kind, the peer, which buffer of the peer (0 its
+# input, 1 its output), the byte offset there (or in this rank's input for copy and write), the
+# byte offset here (this rank's output; its input for a write), the bytes, and a sync step's
+# peers as (start, count) in the plan's peer list.
+STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
+ROW = 9
+SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
+SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "i686": 240, "i386": 240, "aarch64": 98}.get(platform.machine(), -1)
+FUTEX_WAKE = 1    # shared: the word lives in a segment two processes map
+
+_lock = threading.Lock()
+_kernel = None
+_fns = None
+
+
+def plan(sched, call, me: int):
+    """The rows of a copy-only read schedule for calls like ``call`` (element count and size), or
+    None where it reduces (those stay in read_engine.py)."""
+    from .schedule.step import chunk_span
+    size, m = call.inp.itemsize, call.m
+    rows, peers = [], []
+    for i, step in enumerate(sched.steps):
+        if step.kind == "sync":
+            rows.append((i, SYNC_STEP, -1, 0, 0, 0, 0, len(peers), len(step.remote)))
+            peers.extend(step.remote)
+            continue
+        if step.reduces:
+            return None
+        io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
+        oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
+        io, oo, nbytes = io * size, oo * size, k * size
+        if step.kind == "copy":
+            rows.append((i, COPY, -1, 0, io, oo, nbytes, 0, 0))
+        elif step.writes:
+            rows.extend((i, WRITE, q, 1, oo, io, nbytes, 0, 0) for q in step.remote)
+        elif step.reads == "out":
+            rows.append((i, READ, step.remote[0], 1, oo, oo, nbytes, 0, 0))
+        elif step.remote[0] == me:   # a "read" of this rank's own input: a local copy
+            rows.append((i, COPY, -1, 0, io, oo, nbytes, 0, 0))
+        else:
+            rows.append((i, READ, step.remote[0], 0, io, oo, nbytes, 0, 0))
+    return np.array(rows, np.int64).reshape(-1, ROW), np.array(peers or [0], np.int64)
+
+
+def functions(n: int, me: int, budget: int) -> np.ndarray:
+    """What the compiled call needs to know besides the call: the addresses of process_vm_readv,
+    process_vm_writev, syscall and memmove, futex's system call number, then the ranks, this
+    rank and the spin budget (cycles)."""
+    global _fns
+    if _fns is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        _fns = [ctypes.cast(getattr(libc, f), ctypes.c_void_p).value
+                for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove")] + [SYS_FUTEX]
+    return np.array(_fns + [n, me, budget], np.int64)
+
+
+def kernel():
+    """The compiled call (numba, cached on disk), compiled for its one signature and called
+    through that version's entry point: no dispatcher looking at fifteen arguments per call."""
+    global _kernel
+    if _kernel is None:
+        with _lock:
+            if _kernel is None:
+                import numba
+                from numba import types
+                native_sync.intrinsics()
+                native_sync.drop_stale_cache(__file__, "_run_call")
+                jit = numba.njit(nogil=True)
+                g = globals()
+                for name in ("_wait_at_least", "_transfer", "_wake"):
+                    g[name] = jit(g[name])
+                i64, vec = types.int64, types.int64[::1]
+                sig = types.int64(types.int64[:, ::1], vec, i64, types.boolean, vec, vec, i64, vec,
+                                  i64, i64, i64, i64, vec, vec, vec)
+                compiled = numba.njit(sig, nogil=True, cache=True)(_run_call)
+                compiled.disable_compile()
+                from .engine_native import compiled_entry
+                _kernel = compiled_entry(compiled)
+    return _kernel
+
+
+def _wait_at_least(addr, want, budget):
+    """Poll the int64 at ``addr`` until it reaches ``want``: True, or False after ``budget`` cycles."""
+    t0 = native_sync.cycles()
+    while native_sync.load_acquire(addr) < want:
+        if native_sync.cycles() - t0 > budget:
+            return False
+        native_sync.cpu_pause()
+    return True
+
+
+def _transfer(fn, pid, local, remote, nbytes, iov):
+    """process_vm_readv or _writev of ``nbytes`` (fn), going on after a partial transfer; False if
+    a call moves nothing (Python does the step again and says why)."""
+    done = 0
+    at = iov.ctypes.data
+    while done < nbytes:
+        iov[0], iov[1], iov[2], iov[3] = local + done, nbytes - done, remote + done, nbytes - done
+        got = native_sync.call_c(fn, pid, at, 1, at + 16, 1, 0)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
+def _wake(base, word, peers, n, me, fns):
+    """Wake the peers asleep on this rank's words (their flag for this rank is set), as
+    Registry.publish; the fence keeps the flag's load after the store that announced the word."""
+    native_sync.fence()
+    flag = SYNC + n + me
+    for p in range(n):
+        if p != me and native_sync.load_acquire(peers[p] + 8 * flag) != 0:
+            native_sync.call_c(fns[2], fns[4], base + 8 * word, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
+            return
+
+
+def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, fns, iov, res):
+    """One copy-only call from step ``start`` (-1: publish the descriptor first); DONE, or WAIT /
+    HAND_BACK with res = (the step to go on from, whether its sync arrivals are published).
+    ``fns``: functions() followed by the ranks, this rank and the spin budget in cycles."""
+    base = words.ctypes.data
+    n, me, budget = fns[5], fns[6], fns[7]
+    if start < 0:
+        words[DESC], words[DESC + 1], words[DESC + 2], words[DESC + 3] = -1, ain, -1, aout
+        words[DESC + 4], words[DESC + 5] = nin, nout
+        native_sync.store_release(base + 8 * CALLS, calls)   # after the descriptor: peers may read it
+        _wake(base, CALLS, peers, n, me, fns)
+        start = 0
+    mine = (nin, nout)
+    for r in range(rows.shape[0]):
+        step, kind = rows[r, STEP], rows[r, KIND]
+        if step < start:
+            continue
+        res[0], res[1] = step, 0
+        nbytes = rows[r, NBYTES]
+        if kind == COPY:
+            src, dst = ain + rows[r, THERE], aout + rows[r, HERE]
+            if nbytes > 0 and src != dst:
+                native_sync.call_c(fns[3], dst, src, nbytes, 0, 0, 0)
+        elif kind == SYNC_STEP:
+            first, count = rows[r, SPEERS], rows[r, NSPEERS]
+            if not (arrived and step == start):
+                for j in range(first, first + count):
+                    p = speers[j]
+                    syncs[p] += 1
+                    native_sync.store_release(base + 8 * (SYNC + p), syncs[p])
+                    _wake(base, SYNC + p, peers, n, me, fns)
+            res[1] = 1
+            for j in range(first, first + count):
+                p = speers[j]
+                if not _wait_at_least(peers[p] + 8 * (SYNC + me), syncs[p], budget):
+                    return WAIT
+        else:
+            q, which = rows[r, PEER], rows[r, WHICH]
+            there = peers[q]
+            if not _wait_at_least(there + 8 * CALLS, calls, budget):
+                return WAIT
+            if (native_sync.load_acquire(there + 8 * (DESC + 2 * which)) != -1
+                    or native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]):
+                return HAND_BACK          # registered, or another size: Python's path says so
+            pid = native_sync.load_acquire(there + 8 * PID)
+            remote = native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)) + rows[r, THERE]
+            if kind == READ:
+                ok = _transfer(fns[0], pid, aout + rows[r, HERE], remote, nbytes, iov)
+            else:
+                ok = _transfer(fns[1], pid, ain + rows[r, HERE], remote, nbytes, iov)
+            if not ok:
+                return HAND_BACK
+    return DONE
