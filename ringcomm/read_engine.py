@@ -55,7 +55,8 @@ class ReadEngine:
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
         self.plans: dict = {}                # (id(schedule), m) -> (schedule, reduces?, spans): _plan
         self.compiled: dict = {}             # (id(schedule), m, itemsize) -> (schedule, read_native plan)
-        self.peer_words = None               # the peers' control words' addresses (read_native)
+        self.peer_words = None               # the peers' control words' addresses (read_native)...
+        self.fns = self.iov = self.res = self.run_call = None   # ...and the rest it needs, made at first use
         self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
 
     def run(self, ex, sched, call) -> None:
