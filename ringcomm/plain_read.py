@@ -54,20 +54,16 @@ REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a c
 # against 8.4, 128 KiB 11.3 against 13.3, 256 KiB 15.4 against 23.8), while 4 ranks on 2 cores
 # kept 1 MiB (40-call rows: broadcast 256 KiB 139 us against 73, 1 MiB 309 against 533). Bytes as
 # wanted() counts them: broadcast's buffer, all_gather's output, the reductions' input.
-CMA_MIN_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10, "all_reduce": 4 << 20, "reduce_scatter": 4 << 20}
+CMA_MIN_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10, "all_reduce": 2 << 20, "reduce_scatter": 2 << 20}
 # With more ranks than cores: this much per rank a core holds (rounded up), copies only.
 CMA_MIN_STACKED_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10}
-# The reductions also stop: from 32 MiB the FIFOs win again out of place. Measured on the Intel VM,
-# 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place (in place):
-# all_reduce 1 MiB 181 us against 158-163, 2 MiB 332 against 337 (327 against 351), 4 MiB 562-579
-# against 654-687, 16 MiB 2254-2480 against 2992-3125 (1554-1636 against 2533-3241), 32 MiB 7634
-# against 7604, 64 MiB 17433-18307 against 16446-17161 (12087-13675 against 16098-17075);
-# reduce_scatter 1 MiB 96-104 against 83-87, 2 MiB 228 against 203 (161 against 223), 4 MiB
-# 361-407 against 400-414, 16 MiB 1335-1457 against 1654-1886, 32 MiB 4591 against 3823 (2461
-# against 4107), 64 MiB 11571-12664 against 10124-10192 (7029-7309 against 10991-11024). In place
-# the read path wins from 2 MiB up, with no end; but whether a call is in place is each rank's own
-# choice, and every rank must pick the same algorithm, so the window is by size alone.
-CMA_BELOW_BYTES = {"all_reduce": 32 << 20, "reduce_scatter": 32 << 20}
+# The reductions, 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place
+# (in place): all_reduce 1 MiB 170 us against 158, 2 MiB 355 against 352, 4 MiB 524 against 673,
+# 16 MiB 2089 (1574) against 2791 (2646), 64 MiB 13846 (11025) against 16190 (15897);
+# reduce_scatter 1 MiB 83 against 84, 2 MiB 187 against 224, 4 MiB 342 against 423, 16 MiB 1360
+# (1041) against 1697 (1564), 64 MiB 8661 (6770) against 10125 (10328). Before the first fetched
+# operand went straight into the output (read_engine._reduce_fetched), out of place lost again
+# from 32 MiB (reduce_scatter 32 MiB 4591 against 3823).
 
 
 # The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the
@@ -84,9 +80,8 @@ def enabled() -> bool:
 def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     """Whether automatic choice would take the CMA read path for this call (if the probe passes),
     on a communicator of ``ranks`` ranks, all on this host. RINGCOMM_CMA_MIN, where set, is the
-    crossover as given, for every size above it. By default it is CMA_MIN_BYTES with a core per
-    rank (the reductions' stopping below CMA_BELOW_BYTES), else CMA_MIN_STACKED_BYTES scaled by
-    the ranks per core (rounded up): with more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
+    crossover as given. By default it is CMA_MIN_BYTES with a core per rank, else
+    CMA_MIN_STACKED_BYTES scaled by the ranks per core (rounded up): with more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
     pipeline does not (4 ranks on 2 cores, AMD VM, broadcast: 2 MiB 537-680 us by CMA against
     440-510 us by the FIFOs, 4 MiB 600-830 against 1050-1190). The reductions never take it
     with more ranks than cores: each rank then reads all of its peers' chunks while they wait
@@ -103,7 +98,7 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
         if collective in REDUCING:
             return False
         return nbytes >= CMA_MIN_STACKED_BYTES[collective] * per_core
-    return CMA_MIN_BYTES[collective] <= nbytes < CMA_BELOW_BYTES.get(collective, 1 << 62)
+    return nbytes >= CMA_MIN_BYTES[collective]
 
 
 class Remote:

@@ -209,18 +209,26 @@ class ReadEngine:
 
     def _reduce_fetched(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
         """_reduce where some operands are peers' plain buffers (Remote): each piece of those is
-        first copied by CMA into a piece-sized buffer of this rank's, then reduced from there while
-        it is still in L2. The kernel can copy but not reduce, so a remote byte is copied once, into
+        first copied by CMA into a piece-sized buffer of this rank's (or the output piece), then
+        reduced from there while it is still in L2. The kernel can copy but not reduce, so a remote byte is copied once, into
         this cache; the FIFO path copies it twice (into a slot by its owner, out of it here), a
         mapped read of a registered buffer not at all."""
         piece = max(1, FETCH_PIECE_BYTES // out.itemsize)
-        held = [(j, self._scratch(out.dtype, piece, 1 + j)) for j, s in enumerate(srcs) if isinstance(s, Remote)]
+        remote = [j for j, s in enumerate(srcs) if isinstance(s, Remote)]
+        # Where the output overlaps no local operand, the first remote one (in rank order, always
+        # among the first two: only this rank's own input is local) is fetched into the output
+        # piece itself, and the reduction runs in place on lines the fetch just brought into the
+        # cache; reduced into a third buffer, each output line was read from memory before it was
+        # written (2 ranks, out of place: reduce_scatter 16 MiB 1194-1340 us against 1440-1512,
+        # 64 MiB 9326-9623 against 11160-12301; all_reduce 16 MiB 1910-1925 against 2060-2102).
+        into_out = not via_scratch and not any(np.may_share_memory(out, s) for s in srcs if not isinstance(s, Remote))
+        held = [(j, None if into_out and j == remote[0] else self._scratch(out.dtype, piece, 1 + j)) for j in remote]
         scratch = self._scratch(out.dtype, piece) if via_scratch else None
         for a in range(0, out.size, piece):
             b = min(a + piece, out.size)
             ops = [s if isinstance(s, Remote) else s[a:b] for s in srcs]
             for j, buf in held:
-                ops[j] = buf[:b - a]
+                ops[j] = out[a:b] if buf is None else buf[:b - a]
                 self._cma(ex, call, srcs[j][a:b], ops[j])
             acc = scratch[:b - a] if via_scratch else out[a:b]
             fn(ops[0], ops[1], out=acc)

@@ -96,11 +96,10 @@ def test_the_crossover_grows_with_ranks_per_core_and_reductions_need_a_core_each
     for collective in ("broadcast", "all_gather"):   # 128 KiB; stacked, 512 KiB a rank per core, rounded up
         assert plain_read.wanted(collective, mib // 8, 2) and not plain_read.wanted(collective, mib // 8 - 1, 2)
         assert not plain_read.wanted(collective, mib - 1, 3) and plain_read.wanted(collective, mib, 4)
-    for collective in ("all_reduce", "reduce_scatter"):   # 4 MiB up to 32 MiB of input, a core a rank
-        assert plain_read.wanted(collective, 4 * mib, 2) and not plain_read.wanted(collective, 4 * mib - 1, 2)
-        assert plain_read.wanted(collective, 32 * mib - 1, 1) and not plain_read.wanted(collective, 32 * mib, 2)
-        assert not plain_read.wanted(collective, 8 * mib, 3)
+    for collective in ("all_reduce", "reduce_scatter"):   # 2 MiB of input, only with a core a rank
+        assert plain_read.wanted(collective, 2 * mib, 2) and not plain_read.wanted(collective, 2 * mib - 1, 2)
+        assert plain_read.wanted(collective, 1 << 40, 1) and not plain_read.wanted(collective, 1 << 40, 3)
     assert not plain_read.wanted("reduce", 1 << 40, 2)  # a rooted reduce keeps the FIFOs
     monkeypatch.setenv("RINGCOMM_CMA_MIN", "4096")           # the knob, as given, whatever the ranks
     assert plain_read.wanted("broadcast", 4096, 8) and not plain_read.wanted("broadcast", 4095, 2)
-    assert plain_read.wanted("all_reduce", 1 << 40, 8)       # no upper end, nor a core a rank, then
+    assert plain_read.wanted("all_reduce", 4096, 8)          # nor a core a rank, then
