@@ -77,16 +77,16 @@ def test_collectives_read_plain_buffers_by_cma_as_right_as_by_the_fifos():
 
 
 def _late_and_mismatched(comm, engine):
-    """On 2 ranks, copy-only calls on one engine: rank 1 entering late (the compiled wait hands
-    over to Python's), then sizes that differ between the ranks (an error on both, no hang)."""
+    """On 2 ranks, copy-only calls on one engine: rank 1 entering 0.2 s late (the compiled wait
+    hands over to Python's), then sizes that differ between the ranks (an error on both, no hang)."""
     comm._executor.engine = engine
     x = np.arange(50_000, dtype=np.float32) * (comm.rank + 1)
     out = np.empty(2 * x.size, np.float32)
     comm.all_gather(x, out)                  # the probe, and the compiled plan's first use
     eng = comm._registry.engine
     before = eng.handed_back
-    if comm.rank == 1:
-        time.sleep(0.05)                     # arrives 50 ms late: rank 0's 200 us of polling end
+    if comm.rank == 1:   # arrives late (not a synchronisation: the results are right either way),
+        time.sleep(0.2)  # so rank 0's 200 us of compiled polling end and Python's wait takes over
     comm.broadcast(x, root=1)
     got = np.empty(14, np.int64)
     comm.all_gather(np.full(7, comm.rank, np.int64), got)
