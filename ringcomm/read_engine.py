@@ -26,7 +26,7 @@ from ringcomm.kernels import host as kernels
 from ringcomm.transport.base import PeerGone
 from ringcomm.transport.cma import CmaError
 
-from . import native_sync, stream_copy
+from . import native_sync, read_native, stream_copy
 from .buffers import address
 from .ctl_layout import CALLS, DESC, PID, SYNC
 from .errors import RingcommError
@@ -97,7 +97,6 @@ class ReadEngine:
         key = (id(sched), call.m, call.inp.itemsize)
         got = self.compiled.get(key)
         if got is None or got[0] is not sched:
-            from . import read_native
             if len(self.compiled) >= 64:
                 self.compiled.clear()
             got = self.compiled[key] = (sched, read_native.plan(sched, call, reg.rank))
@@ -106,7 +105,6 @@ class ReadEngine:
     def _run_compiled(self, ex, compiled, ain: int, aout: int, call):
         """Run the call in read_native's compiled function: (None, None) when it finished, else the
         step (and whether its sync arrivals are published) from which Python goes on."""
-        from . import read_native
         reg = self.reg
         if self.peer_words is None:
             self.peer_words = np.array([0 if p == reg.rank else reg.peers[p, "ctl"].base for p in range(reg.n)],
