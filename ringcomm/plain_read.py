@@ -62,7 +62,7 @@ CMA_MIN_STACKED_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10}
 # 16 MiB 2089 (1574) against 2791 (2646), 64 MiB 13846 (11025) against 16190 (15897);
 # reduce_scatter 1 MiB 83 against 84, 2 MiB 187 against 224, 4 MiB 342 against 423, 16 MiB 1360
 # (1041) against 1697 (1564), 64 MiB 8661 (6770) against 10125 (10328). Before the first fetched
-# operand went straight into the output (read_engine._reduce_fetched), out of place lost again
+# operand went straight into the output (read_engine._reduce), out of place lost again
 # from 32 MiB (reduce_scatter 32 MiB 4591 against 3823).
 
 
@@ -81,9 +81,10 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     """Whether automatic choice would take the CMA read path for this call (if the probe passes),
     on a communicator of ``ranks`` ranks, all on this host. RINGCOMM_CMA_MIN, where set, is the
     crossover as given. By default it is CMA_MIN_BYTES with a core per rank, else
-    CMA_MIN_STACKED_BYTES scaled by the ranks per core (rounded up): with more ranks than cores a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO
-    pipeline does not (4 ranks on 2 cores, AMD VM, broadcast: 2 MiB 537-680 us by CMA against
-    440-510 us by the FIFOs, 4 MiB 600-830 against 1050-1190). The reductions never take it
+    CMA_MIN_STACKED_BYTES scaled by the ranks per core (rounded up): with more ranks than cores
+    a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO pipeline does not
+    (4 ranks on 2 cores, AMD VM, broadcast: 2 MiB 537-680 us by CMA against 440-510 us by the
+    FIFOs, 4 MiB 600-830 against 1050-1190). The reductions never take it
     with more ranks than cores: each rank then reads all of its peers' chunks while they wait
     for the core (Intel VM, 4 ranks on 2 cores, 20-call rows, CMA against FIFOs: all_reduce
     1 MiB 707 us against 670, 16 MiB 9145 against 9640; reduce_scatter 1 MiB 490 against 320,

@@ -38,11 +38,22 @@ PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated pa
 # numpy calls. 2-rank registered reduce_scatter, alternating in one run: 4 MiB 164-170 us with
 # 256 KiB pieces, 146-147 with 1 MiB; 16 MiB 1469-1585 against 1320-1423; 64 MiB the same.
 ONE_PASS_PIECE_BYTES = 1024 * 1024
-# A peer's plain buffer is reduced from a copy fetched by CMA, a piece at a time (_reduce_fetched).
+# A peer's plain buffer is reduced from a copy fetched by CMA, a piece at a time (_reduce).
 # 2-rank reduce_scatter and all_reduce, 1-64 MiB, alternating with MPICH: 256 KiB pieces were the
 # best or within noise of it; 64 KiB ones 1.2-1.4x slower (a system call and its pinning per
 # piece), 1 MiB ones no faster.
 FETCH_PIECE_BYTES = 256 * 1024
+
+
+def step_spans(sched, m: int) -> list:
+    """Each step's (input offset, length, output offset) in elements, for a call of ``m``: one
+    round over the whole buffer."""
+    spans = []
+    for step in sched.steps:
+        io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
+        oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
+        spans.append((io, k, oo))
+    return spans
 
 
 class ReadEngine:
@@ -56,7 +67,7 @@ class ReadEngine:
         self.plans: dict = {}                # (id(schedule), m) -> (schedule, reduces?, spans): _plan
         self.compiled: dict = {}             # (id(schedule), m, itemsize) -> (schedule, read_native plan)
         self.peer_words = None               # the peers' control words' addresses (read_native)...
-        self.fns = self.iov = self.res = self.run_call = None   # ...and the rest it needs, made at first use
+        self.consts = self.iov = self.res = self.run_call = None   # ...and the rest it needs, made at first use
         self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
 
     def run(self, ex, sched, call) -> None:
@@ -99,7 +110,8 @@ class ReadEngine:
         if got is None or got[0] is not sched:
             if len(self.compiled) >= 64:
                 self.compiled.clear()
-            got = self.compiled[key] = (sched, read_native.plan(sched, call, reg.rank))
+            spans = self._plan(sched, call.m)[1]
+            got = self.compiled[key] = (sched, read_native.plan(sched, spans, call.inp.itemsize, reg.rank))
         return got[1]
 
     def _run_compiled(self, ex, compiled, ain: int, aout: int, call):
@@ -110,11 +122,12 @@ class ReadEngine:
             self.peer_words = np.array([0 if p == reg.rank else reg.peers[p, "ctl"].base for p in range(reg.n)],
                                        np.int64)
             budget = int(min(ex._spin_s, read_native.SPIN_S) * native_sync.cycles_per_second())
-            self.fns = read_native.functions(reg.n, reg.rank, budget)
+            self.consts = read_native.constants(reg.n, reg.rank, budget)
             self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
             self.run_call = read_native.kernel()
         status = self.run_call(compiled[0], compiled[1], -1, False, reg.ctl.words, self.peer_words, self.calls,
-                               self.syncs, ain, aout, call.inp.nbytes, call.out.nbytes, self.fns, self.iov, self.res)
+                               self.syncs, ain, aout, call.inp.nbytes, call.out.nbytes, self.consts, self.iov,
+                               self.res)
         if status == read_native.DONE:
             return None, None
         self.handed_back += 1
@@ -128,12 +141,7 @@ class ReadEngine:
         if got is None or got[0] is not sched:
             if len(self.plans) >= 64:
                 self.plans.clear()
-            spans = []
-            for step in sched.steps:
-                io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
-                oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
-                spans.append((io, k, oo))
-            got = self.plans[key] = (sched, any(step.reduces for step in sched.steps), spans)
+            got = self.plans[key] = (sched, any(step.reduces for step in sched.steps), step_spans(sched, m))
         return got[1], got[2]
 
     def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, spans, start: int = 0,
@@ -181,51 +189,40 @@ class ReadEngine:
                 stream_copy.copy(out, srcs[0])
             return
         mine = [i for i, q in enumerate(step.remote) if q == me]
-        via_scratch = bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]])
-        if any(isinstance(s, Remote) for s in srcs):
-            self._reduce_fetched(ex, call, out, srcs, fn, via_scratch)
-        else:
-            self._reduce(out, srcs, fn, via_scratch)
+        self._reduce(ex, call, out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]))
         if step.final:
             kernels.postprocess(out, call.op, self.reg.n)
 
-    def _reduce(self, out, srcs, fn, via_scratch: bool) -> None:
+    def _reduce(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
         """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
         input (in place) and that input is not among the first two operands, the first operation
-        would overwrite it before it is read: those pieces are built in a scratch buffer."""
-        one_pass = len(srcs) == 2 and not via_scratch
-        piece = max(1, (ONE_PASS_PIECE_BYTES if one_pass else PIECE_BYTES) // out.itemsize)
-        scratch = self._scratch(out.dtype, piece) if via_scratch else None
-        for a in range(0, out.size, piece):
-            b = min(a + piece, out.size)
-            acc = scratch[:b - a] if via_scratch else out[a:b]
-            fn(srcs[0][a:b], srcs[1][a:b], out=acc)
-            for s in srcs[2:]:
-                fn(acc, s[a:b], out=acc)
-            if via_scratch:
-                out[a:b] = acc
+        would overwrite it before it is read: those pieces are built in a scratch buffer.
 
-    def _reduce_fetched(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
-        """_reduce where some operands are peers' plain buffers (Remote): each piece of those is
-        first copied by CMA into a piece-sized buffer of this rank's (or the output piece), then
-        reduced from there while it is still in L2. The kernel can copy but not reduce, so a remote byte is copied once, into
-        this cache; the FIFO path copies it twice (into a slot by its owner, out of it here), a
-        mapped read of a registered buffer not at all."""
-        piece = max(1, FETCH_PIECE_BYTES // out.itemsize)
+        A peer's plain buffer (a Remote) cannot be reduced from where it is: each piece of it is
+        first copied by CMA into a piece-sized buffer of this rank's, then reduced from there while
+        it is in L2; a remote byte is copied once, into this cache, where the FIFO path copies it
+        twice (into a slot by its owner, out of it here). Where the output overlaps no local
+        operand, the first remote one (in rank order always among the first two: only this rank's
+        own input is local) is fetched into the output piece itself, and the reduction runs in place
+        on lines the fetch just brought into the cache; reduced into a third buffer, each output
+        line was read from memory before it was written (2 ranks, out of place: reduce_scatter
+        16 MiB 1194-1340 us against 1440-1512, 64 MiB 9326-9623 against 11160-12301; all_reduce
+        16 MiB 1910-1925 against 2060-2102)."""
         remote = [j for j, s in enumerate(srcs) if isinstance(s, Remote)]
-        # Where the output overlaps no local operand, the first remote one (in rank order, always
-        # among the first two: only this rank's own input is local) is fetched into the output
-        # piece itself, and the reduction runs in place on lines the fetch just brought into the
-        # cache; reduced into a third buffer, each output line was read from memory before it was
-        # written (2 ranks, out of place: reduce_scatter 16 MiB 1194-1340 us against 1440-1512,
-        # 64 MiB 9326-9623 against 11160-12301; all_reduce 16 MiB 1910-1925 against 2060-2102).
-        into_out = not via_scratch and not any(np.may_share_memory(out, s) for s in srcs if not isinstance(s, Remote))
-        held = [(j, None if into_out and j == remote[0] else self._scratch(out.dtype, piece, 1 + j)) for j in remote]
+        if remote:
+            piece_bytes = FETCH_PIECE_BYTES
+        else:
+            piece_bytes = ONE_PASS_PIECE_BYTES if len(srcs) == 2 and not via_scratch else PIECE_BYTES
+        piece = max(1, piece_bytes // out.itemsize)
+        into_out = bool(remote) and not via_scratch and not any(
+            np.may_share_memory(out, s) for s in srcs if not isinstance(s, Remote))
+        fetched = [(j, None if into_out and j == remote[0] else self._scratch(out.dtype, piece, 1 + j))
+                   for j in remote]
         scratch = self._scratch(out.dtype, piece) if via_scratch else None
         for a in range(0, out.size, piece):
             b = min(a + piece, out.size)
             ops = [s if isinstance(s, Remote) else s[a:b] for s in srcs]
-            for j, buf in held:
+            for j, buf in fetched:
                 ops[j] = out[a:b] if buf is None else buf[:b - a]
                 self._cma(ex, call, srcs[j][a:b], ops[j])
             acc = scratch[:b - a] if via_scratch else out[a:b]

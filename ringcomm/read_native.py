@@ -27,10 +27,11 @@ so the compiled code is cached on disk like the native engine's.
 from __future__ import annotations
 
 import ctypes
-import platform
 import threading
 
 import numpy as np
+
+from ringcomm.transport.futex import FUTEX_WAKE, SYS_FUTEX
 
 from . import native_sync
 from .ctl_layout import CALLS, DESC, PID, SYNC
@@ -43,20 +44,18 @@ COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
 # peers as (start, count) in the plan's peer list.
 STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
+READV, WRITEV, SYSCALL, MEMMOVE, FUTEX, NRANKS, ME, BUDGET = range(8)   # constants()' entries
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
-SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "i686": 240, "i386": 240, "aarch64": 98}.get(platform.machine(), -1)
-FUTEX_WAKE = 1    # shared: the word lives in a segment two processes map
 
 _lock = threading.Lock()
 _kernel = None
 _fns = None
 
 
-def plan(sched, call, me: int):
-    """The rows of a copy-only read schedule for calls like ``call`` (element count and size), or
-    None where it reduces (those stay in read_engine.py)."""
-    from .schedule.step import chunk_span
-    size, m = call.inp.itemsize, call.m
+def plan(sched, spans, size: int, me: int):
+    """The rows of a copy-only read schedule, from its steps' element spans (read_engine.step_spans:
+    input offset, length, output offset) and the element size; None where a step reduces (those
+    stay in read_engine.py)."""
     rows, peers = [], []
     for i, step in enumerate(sched.steps):
         if step.kind == "sync":
@@ -65,9 +64,7 @@ def plan(sched, call, me: int):
             continue
         if step.reduces:
             return None
-        io, k = chunk_span(sched.in_layout, sched.nchunks, step.chunk, 0, m, m)
-        oo, _ = chunk_span(sched.out_layout, sched.nchunks, step.chunk, 0, m, m)
-        io, oo, nbytes = io * size, oo * size, k * size
+        io, nbytes, oo = (v * size for v in spans[i])   # in bytes
         if step.kind == "copy":
             rows.append((i, COPY, -1, 0, io, oo, nbytes, 0, 0))
         elif step.writes:
@@ -81,16 +78,16 @@ def plan(sched, call, me: int):
     return np.array(rows, np.int64).reshape(-1, ROW), np.array(peers or [0], np.int64)
 
 
-def functions(n: int, me: int, budget: int) -> np.ndarray:
-    """What the compiled call needs to know besides the call: the addresses of process_vm_readv,
-    process_vm_writev, syscall and memmove, futex's system call number, then the ranks, this
-    rank and the spin budget (cycles)."""
+def constants(n: int, me: int, budget: int) -> np.ndarray:
+    """What the compiled call needs to know besides the call (indexed by READV ... BUDGET): the
+    addresses of process_vm_readv, process_vm_writev, syscall and memmove, futex's system call
+    number, then the ranks, this rank and the spin budget (cycles)."""
     global _fns
     if _fns is None:
         libc = ctypes.CDLL(None, use_errno=True)
         _fns = [ctypes.cast(getattr(libc, f), ctypes.c_void_p).value
-                for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove")] + [SYS_FUTEX]
-    return np.array(_fns + [n, me, budget], np.int64)
+                for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove")]
+    return np.array(_fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget], np.int64)
 
 
 def kernel():
@@ -142,28 +139,28 @@ def _transfer(fn, pid, local, remote, nbytes, iov):
     return True
 
 
-def _wake(base, word, peers, n, me, fns):
+def _wake(base, word, peers, n, me, consts):
     """Wake the peers asleep on this rank's words (their flag for this rank is set), as
     Registry.publish; the fence keeps the flag's load after the store that announced the word."""
     native_sync.fence()
     flag = SYNC + n + me
     for p in range(n):
         if p != me and native_sync.load_acquire(peers[p] + 8 * flag) != 0:
-            native_sync.call_c(fns[2], fns[4], base + 8 * word, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
+            native_sync.call_c(consts[SYSCALL], consts[FUTEX], base + 8 * word, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
             return
 
 
-def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, fns, iov, res):
+def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, consts, iov, res):
     """One copy-only call from step ``start`` (-1: publish the descriptor first); DONE, or WAIT /
     HAND_BACK with res = (the step to go on from, whether its sync arrivals are published).
-    ``fns``: functions() followed by the ranks, this rank and the spin budget in cycles."""
+    ``consts``: constants()."""
     base = words.ctypes.data
-    n, me, budget = fns[5], fns[6], fns[7]
+    n, me, budget = consts[NRANKS], consts[ME], consts[BUDGET]
     if start < 0:
         words[DESC], words[DESC + 1], words[DESC + 2], words[DESC + 3] = -1, ain, -1, aout
         words[DESC + 4], words[DESC + 5] = nin, nout
         native_sync.store_release(base + 8 * CALLS, calls)   # after the descriptor: peers may read it
-        _wake(base, CALLS, peers, n, me, fns)
+        _wake(base, CALLS, peers, n, me, consts)
         start = 0
     mine = (nin, nout)
     for r in range(rows.shape[0]):
@@ -175,7 +172,7 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
         if kind == COPY:
             src, dst = ain + rows[r, THERE], aout + rows[r, HERE]
             if nbytes > 0 and src != dst:
-                native_sync.call_c(fns[3], dst, src, nbytes, 0, 0, 0)
+                native_sync.call_c(consts[MEMMOVE], dst, src, nbytes, 0, 0, 0)
         elif kind == SYNC_STEP:
             first, count = rows[r, SPEERS], rows[r, NSPEERS]
             if not (arrived and step == start):
@@ -183,7 +180,7 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                     p = speers[j]
                     syncs[p] += 1
                     native_sync.store_release(base + 8 * (SYNC + p), syncs[p])
-                    _wake(base, SYNC + p, peers, n, me, fns)
+                    _wake(base, SYNC + p, peers, n, me, consts)
             res[1] = 1
             for j in range(first, first + count):
                 p = speers[j]
@@ -200,9 +197,9 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
             pid = native_sync.load_acquire(there + 8 * PID)
             remote = native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)) + rows[r, THERE]
             if kind == READ:
-                ok = _transfer(fns[0], pid, aout + rows[r, HERE], remote, nbytes, iov)
+                ok = _transfer(consts[READV], pid, aout + rows[r, HERE], remote, nbytes, iov)
             else:
-                ok = _transfer(fns[1], pid, ain + rows[r, HERE], remote, nbytes, iov)
+                ok = _transfer(consts[WRITEV], pid, ain + rows[r, HERE], remote, nbytes, iov)
             if not ok:
                 return HAND_BACK
     return DONE

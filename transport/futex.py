@@ -25,8 +25,8 @@ import os
 import platform
 import time
 
-_SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "i686": 240, "i386": 240, "aarch64": 98}.get(platform.machine())
-_WAIT, _WAKE = 0, 1   # shared (not FUTEX_PRIVATE_FLAG): the word lives in a segment two processes map
+SYS_FUTEX = {"x86_64": 202, "AMD64": 202, "i686": 240, "i386": 240, "aarch64": 98}.get(platform.machine())
+FUTEX_WAIT, FUTEX_WAKE = 0, 1   # shared (not FUTEX_PRIVATE_FLAG): the word lives in a segment two processes map
 
 
 class _Timespec(ctypes.Structure):
@@ -34,7 +34,7 @@ class _Timespec(ctypes.Structure):
 
 
 def _load():
-    if _SYS_FUTEX is None or not hasattr(os, "sched_getaffinity"):  # not Linux
+    if SYS_FUTEX is None or not hasattr(os, "sched_getaffinity"):  # not Linux
         return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -64,7 +64,7 @@ def wait(addr: int, seen: int, timeout: float) -> None:
         return
     ts = _Timespec(int(timeout), int((timeout % 1.0) * 1e9))
     low = ctypes.c_int32(seen & 0xFFFFFFFF).value
-    if _syscall(_SYS_FUTEX, addr, _WAIT, low, ctypes.addressof(ts), None, 0) < 0:
+    if _syscall(SYS_FUTEX, addr, FUTEX_WAIT, low, ctypes.addressof(ts), None, 0) < 0:
         err = ctypes.get_errno()
         if err == 38:   # ENOSYS (a sandbox without futex): plain sleeps from now on
             _syscall = None
@@ -75,4 +75,4 @@ def wait(addr: int, seen: int, timeout: float) -> None:
 def wake(addr: int) -> None:
     """Wake every sleeper on the word at ``addr`` (one per counter in practice)."""
     if _syscall is not None:
-        _syscall(_SYS_FUTEX, addr, _WAKE, 0x7FFFFFFF, None, None, 0)
+        _syscall(SYS_FUTEX, addr, FUTEX_WAKE, 0x7FFFFFFF, None, None, 0)
