@@ -13,8 +13,12 @@ import ringcomm
 comm = ringcomm.init()
 x = np.ones(int(os.environ.get("COUNT", 16 << 20)), dtype=np.float32)  # 64 MiB unless COUNT says
 comm.all_reduce(x)
-with open(os.path.join(os.environ["PID_DIR"], f"rank{comm.rank}"), "w") as f:
+# Written whole, then renamed into place: a reader that sees the name sees the pid (a file opened
+# for writing exists, empty, before its write lands).
+path = os.path.join(os.environ["PID_DIR"], f"rank{comm.rank}")
+with open(path + ".tmp", "w") as f:
     f.write(str(os.getpid()))
+os.replace(path + ".tmp", path)
 try:
     for _ in range(int(os.environ.get("ITERATIONS", "1000"))):
         comm.all_reduce(x)
