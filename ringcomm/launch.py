@@ -175,6 +175,12 @@ class Supervisor:
         self.first_failure = None  # (rank, returncode)
         self.term_at = self.kill_at = None
         self.exits: queue.Queue = queue.Queue()
+        self.lock = threading.Lock()  # the ranks' lines and ours: each written whole (_write_line)
+
+    def say(self, message: str) -> None:
+        """A line of the launcher's own on stderr, never inside a rank's line (print() writes the
+        text and its newline separately, and a rank's line could land between them)."""
+        _write_line(sys.stderr, f"ringcomm-run: {message}\n", self.lock)
 
     def on_signal(self, signum, _frame) -> None:
         self.received.append(signum)
@@ -192,11 +198,10 @@ class Supervisor:
             self.procs.append(subprocess.Popen(
                 cmd, env=rank_env(a, self.job_env, i), start_new_session=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        lock = threading.Lock()
         for rank, p in zip(self.ranks, self.procs):
             prefix = f"[rank {rank}] ".encode()
             for pipe, stream in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                self._thread(_pump, pipe, stream, prefix, lock)
+                self._thread(_pump, pipe, stream, prefix, self.lock)
             self._thread(lambda r, p: self.exits.put((r, p.wait())), rank, p)
 
     def _thread(self, fn, *args) -> None:
@@ -224,8 +229,7 @@ class Supervisor:
         # Ranks dying because *we* forwarded a signal are not failures of their own.
         if code != 0 and self.first_failure is None and not self.received:
             self.first_failure = (rank, code)
-            print(f"ringcomm-run: rank {rank} {describe(code)}; stopping the other ranks "
-                  f"in {self.a.grace:g} s", file=sys.stderr, flush=True)
+            self.say(f"rank {rank} {describe(code)}; stopping the other ranks in {self.a.grace:g} s")
             self.term_at = time.monotonic() + self.a.grace
 
     def wait(self) -> int:
@@ -242,12 +246,11 @@ class Supervisor:
     def result(self) -> int:
         if self.first_failure is not None:
             rank, code = self.first_failure
-            print(f"ringcomm-run: rank {rank} failed first ({describe(code)})", file=sys.stderr,
-                  flush=True)
+            self.say(f"rank {rank} failed first ({describe(code)})")
             return code if code > 0 else 128 - code
         if self.received:
             name = signal.Signals(self.received[0]).name
-            print(f"ringcomm-run: stopped by {name}", file=sys.stderr, flush=True)
+            self.say(f"stopped by {name}")
             return 128 + self.received[0]
         return 0
 
