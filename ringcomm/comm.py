@@ -72,7 +72,7 @@ class Communicator:
         if known is not None:  # the same arrays as an earlier call, unchanged: its checks hold
             x = buf if buf.ndim == 1 else buf.reshape(-1)   # _flat, inlined on the 8-byte path
             y = x if out is None else out if out.ndim == 1 else out.reshape(-1)
-            self._start("all_reduce", known.algo, known.sched, x, y, x.size, known.op, None)
+            self._start("all_reduce", known.algo, known.sched, x, y, x.size, known.op, None, addrs=known.addrs)
             return buf if out is None else out
         op = as_op(op)
         x = host_array(buf, "all_reduce buf", writable=out is None)
@@ -90,7 +90,7 @@ class Communicator:
         known = self._known.get(buf, out, args)
         if known is not None:
             x = _flat(buf)
-            self._start("all_gather", known.algo, known.sched, x, _flat(out), x.size, "sum", None)
+            self._start("all_gather", known.algo, known.sched, x, _flat(out), x.size, "sum", None, addrs=known.addrs)
             return out
         x = host_array(buf, "all_gather buf", writable=False)
         y = self._out(out, x, x.size * self.world_size, "all_gather")
@@ -106,7 +106,8 @@ class Communicator:
         known = self._known.get(buf, out, args) if reproducible is False else None
         if known is not None:
             y = _flat(out)
-            self._start("reduce_scatter", known.algo, known.sched, _flat(buf), y, y.size, known.op, None)
+            self._start("reduce_scatter", known.algo, known.sched, _flat(buf), y, y.size, known.op, None,
+                        addrs=known.addrs)
             return out
         op = as_op(op)
         x = host_array(buf, "reduce_scatter buf", writable=False)
@@ -128,7 +129,7 @@ class Communicator:
         known = self._known.get(buf, None, args)
         if known is not None:
             x = _flat(buf)
-            self._start("broadcast", known.algo, known.sched, x, x, x.size, "sum", root)
+            self._start("broadcast", known.algo, known.sched, x, x, x.size, "sum", root, addrs=known.addrs)
             return buf
         self._check_rank(root, "broadcast root")
         x = host_array(buf, "broadcast buf", writable=self.rank != root)
@@ -330,8 +331,9 @@ class Communicator:
         self._start(collective, algo, sched, x, y, m, op, root, blocks)
         return algo, sched
 
-    def _start(self, collective, algo, sched, x, y, m, op, root, blocks=None):
-        """A checked call, with its algorithm and schedule chosen: number it and run it."""
+    def _start(self, collective, algo, sched, x, y, m, op, root, blocks=None, addrs=None):
+        """A checked call, with its algorithm and schedule chosen: number it and run it (``addrs``:
+        x's and y's addresses, where a known call has them)."""
         if self._closed or self._broken is not None:  # _next_seq, inlined
             self._refuse()
         self._seq = seq = self._seq + 1
@@ -340,7 +342,7 @@ class Communicator:
             self._fingerprint(collective, algo, x, m if blocks is None else vcounts.PACKED, op, root, seq)
             if blocks is not None:
                 self._progress.later(functools.partial(self._check_counts, blocks, seq))
-        call = Call(collective, seq, x, y, m, op, None, blocks)  # a ReduceOp is its name (a str)
+        call = Call(collective, seq, x, y, m, op, None, blocks, addrs)  # a ReduceOp is its name (a str)
         # _execute, inlined: this is the path of every collective, an 8-byte one's ~2 us of Python
         if self._progress.capturing:
             self._progress.execute(sched, call)

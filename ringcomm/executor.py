@@ -52,6 +52,9 @@ class Call:
     # same for the output), handed to chunk_span; m is then the longest block, so the rounds
     # cover every block. None: equal blocks of m.
     blocks: tuple | None = None
+    # (inp's address, out's address), where the caller knows them (a known call, known_calls.py):
+    # the read engine needs them, and address() costs ~1 us of Python
+    addrs: tuple | None = None
 
 
 class Executor:

@@ -21,16 +21,23 @@ import weakref
 
 import numpy as np
 
+from .buffers import address
+
 MAX_ENTRIES = 16           # the arrays a loop repeats; the oldest entry goes first
 
 
 class KnownCall:
     """One remembered call: what it was given (weakly) and what the checked path decided."""
 
-    __slots__ = ("buf", "out", "shape", "out_shape", "dtype", "out_dtype", "op", "algo", "sched", "__weakref__")
+    __slots__ = ("buf", "out", "shape", "out_shape", "dtype", "out_dtype", "op", "algo", "sched", "addrs",
+                 "__weakref__")
 
     def __init__(self, buf, out, op, algo, sched):
         self.buf = weakref.ref(buf)
+        # Where the arrays' data are: an array object's data pointer never moves while its shape
+        # stays (resize() reallocates only to a new size; .data cannot be assigned), and get() checks
+        # the very objects and shapes. The read engine takes them from here (address() costs ~1 us).
+        self.addrs = (address(buf), address(buf if out is None else out))
         self.out = None if out is None else weakref.ref(out)
         self.shape, self.dtype = buf.shape, buf.dtype
         self.out_shape, self.out_dtype = (None, None) if out is None else (out.shape, out.dtype)

@@ -53,8 +53,14 @@ REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a c
 # 6.1-7.5, 128 KiB 8.0 against 9.3-9.9, 256 KiB 10.1 against 16-17; all_gather 64 KiB of output 9.0
 # against 8.4, 128 KiB 11.3 against 13.3, 256 KiB 15.4 against 23.8), while 4 ranks on 2 cores
 # kept 1 MiB (40-call rows: broadcast 256 KiB 139 us against 73, 1 MiB 309 against 533). Bytes as
-# wanted() counts them: broadcast's buffer, all_gather's output, the reductions' input.
-CMA_MIN_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10, "all_reduce": 2 << 20, "reduce_scatter": 2 << 20}
+# wanted() counts them: broadcast's buffer, all_gather's output, the reductions' input. Then a known
+# call (known_calls.py) brought its arrays' addresses (address() had cost ~1 us a rank, ~3 us a
+# call in lockstep: a 16 KiB broadcast by CMA 7.8 us, then 4.7), and on an Intel VM with a 480 MiB L3
+# CMA won from 64 KiB of broadcast and 32 KiB of all_gather's output (2 ranks, 200-call rows
+# alternating with MPICH, two runs each way, CMA against FIFOs: broadcast 32 KiB 5.1-5.2 us
+# against 5.0-6.6, 64 KiB 5.6-6.1 against 6.8-7.1, 128 KiB 6.9-7.2 against 11.3-12.0; all_gather
+# 16 KiB 5.0-6.3 against 5.0-5.2, 32 KiB 5.3-5.6 against 6.2-6.3, 64 KiB 6.5-6.6 against 8.2-8.6).
+CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 2 << 20, "reduce_scatter": 2 << 20}
 # With more ranks than cores: this much per rank a core holds (rounded up), copies only.
 CMA_MIN_STACKED_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10}
 # The reductions, 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place

@@ -74,9 +74,13 @@ class ReadEngine:
         """Run a "read" schedule (one round: the whole buffer) on registered buffers, or on plain ones
         that the peers read by CMA (plain_read.py)."""
         ex._call, ex._nsteps = call, len(sched.steps)   # first: from the CALLS store on, peers may read
-        # Each address once per call (address() costs ~1 us of Python: a 16 KiB call's CMA read is ~7).
-        ain = address(call.inp)
-        aout = ain if call.out is call.inp else address(call.out)
+        # Each address once per call (address() costs ~1 us of Python: a 16 KiB call's CMA read is
+        # ~7), or none: a known call (known_calls.py) carries them.
+        if call.addrs is not None:
+            ain, aout = call.addrs
+        else:
+            ain = address(call.inp)
+            aout = ain if call.out is call.inp else address(call.out)
         self.calls += 1
         start, arrived = 0, False
         compiled = self._compiled(ex, sched, call)

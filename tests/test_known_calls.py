@@ -140,3 +140,42 @@ def test_calls_on_registered_buffers_are_remembered_and_keep_their_algorithm():
         for res in w.run(_registered):
             assert res[16] == (2, 0), res                 # remembered; the FIFOs below 1 MiB
             assert res[1 << 18] == (2, 6), res            # remembered; every call read the peer
+
+
+def test_a_known_call_carries_its_arrays_addresses():
+    """The read engine takes a known call's addresses from its entry (address() costs ~1 us): they
+    are the data's, also for a flat view of a 2-D array."""
+    from ringcomm.buffers import address
+    from ringcomm.known_calls import KnownCalls
+    known = KnownCalls()
+    buf, out = np.zeros((4, 8), np.float32), np.zeros(64, np.float32)
+    known.remember(buf, out, ("all_gather", None), "sum", "read", None)
+    known.remember(buf, None, ("broadcast", None, int, 0), "sum", "read", None)
+    assert known.get(buf, out, ("all_gather", None)).addrs == (address(buf.reshape(-1)), address(out))
+    assert known.get(buf, None, ("broadcast", None, int, 0)).addrs == (address(buf),) * 2
+
+
+def _cma_calls_on_two_arrays(comm):
+    """Known CMA calls on two arrays of one shape, in turn: each reads from its own array's address."""
+    r, n = comm.rank, comm.world_size
+    a, b = np.zeros((4, 1024), np.float32), np.zeros((4, 1024), np.float32)
+    ga, gb = np.zeros((n, 4, 1024), np.float32), np.zeros((n, 4, 1024), np.float32)
+    reads = comm._registry.engine.calls if comm._registry else 0
+    for i in range(4):
+        a[...], b[...] = r + 10 * i, -r - 10 * i
+        comm.broadcast(a, root=1)
+        comm.broadcast(b, root=1)
+        assert (a == 1 + 10 * i).all() and (b == -1 - 10 * i).all(), (a, b)
+        a[...], b[...] = r + 10 * i, -r - 10 * i
+        comm.all_gather(a, ga)
+        comm.all_gather(b, gb)
+        want = np.arange(n, dtype=np.float32)[:, None, None] + 10 * i
+        assert (ga == want).all() and (gb == -want).all(), (ga, gb)
+    return comm._registry.engine.calls - reads
+
+
+@pytest.mark.timeout(60)
+def test_known_calls_by_cma_read_each_arrays_own_memory():
+    with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=30) as w:
+        for calls in w.run(_cma_calls_on_two_arrays):
+            assert calls == 16, calls   # every call took the CMA read path
