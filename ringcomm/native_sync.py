@@ -202,9 +202,13 @@ def drop_stale_cache(module_file: str, function: str, deps=()) -> None:
     here = pathlib.Path(module_file)
     newest = max(p.stat().st_mtime for p in [pathlib.Path(__file__), *map(pathlib.Path, deps)])
     for index in glob.glob(str(here.parent / "__pycache__" / f"{here.stem}.{function}-*.nbi")):
-        if pathlib.Path(index).stat().st_mtime < newest:
-            for stale in glob.glob(index[:-len(".nbi")] + "*"):
+        try:
+            stale = pathlib.Path(index).stat().st_mtime < newest
+        except OSError:   # another process (a peer rank starting too) dropped it just now
+            continue
+        if stale:
+            for path in glob.glob(index[:-len(".nbi")] + "*"):
                 try:
-                    pathlib.Path(stale).unlink()
+                    pathlib.Path(path).unlink()
                 except OSError:
                     pass
