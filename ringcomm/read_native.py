@@ -33,7 +33,7 @@ import numpy as np
 
 from ringcomm.transport.futex import FUTEX_WAKE, SYS_FUTEX
 
-from . import native_sync
+from . import ctl_layout, native_sync
 from .ctl_layout import CALLS, DESC, PID, SYNC
 
 DONE, WAIT, HAND_BACK = 0, 1, 2   # what the compiled call returns; res = (step, arrived) for the last two
@@ -47,6 +47,7 @@ ROW = 9
 READV, WRITEV, SYSCALL, MEMMOVE, FUTEX, NRANKS, ME, BUDGET = range(8)   # constants()' entries
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
 
+_sleep_flag = ctl_layout.sleep_flag   # compiled with the call (kernel())
 _lock = threading.Lock()
 _kernel = None
 _fns = None
@@ -100,10 +101,12 @@ def kernel():
                 import numba
                 from numba import types
                 native_sync.intrinsics()
-                native_sync.drop_stale_cache(__file__, "_run_call")
+                from ringcomm.transport import futex
+                # the control words' layout and futex's numbers are compiled in: an edit there is one here
+                native_sync.drop_stale_cache(__file__, "_run_call", deps=(ctl_layout.__file__, futex.__file__))
                 jit = numba.njit(nogil=True)
                 g = globals()
-                for name in ("_wait_at_least", "_transfer", "_wake"):
+                for name in ("_wait_at_least", "_transfer", "_wake", "_sleep_flag"):
                     g[name] = jit(g[name])
                 i64, vec = types.int64, types.int64[::1]
                 sig = types.int64(types.int64[:, ::1], vec, i64, types.boolean, vec, vec, i64, vec,
@@ -143,7 +146,7 @@ def _wake(base, word, peers, n, me, consts):
     """Wake the peers asleep on this rank's words (their flag for this rank is set), as
     Registry.publish; the fence keeps the flag's load after the store that announced the word."""
     native_sync.fence()
-    flag = SYNC + n + me
+    flag = _sleep_flag(n, me)
     for p in range(n):
         if p != me and native_sync.load_acquire(peers[p] + 8 * flag) != 0:
             native_sync.call_c(consts[SYSCALL], consts[FUTEX], base + 8 * word, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)

@@ -37,11 +37,11 @@ from . import plain_read
 from .buffers import address
 from .catalogue import ALGOS
 from .errors import CollectiveTimeout, RingcommError
-from .ctl_layout import CLOSED, MAPPED, PID, SYNC, ctl_words
+from .ctl_layout import CLOSED, MAPPED, PID, ctl_words, sleep_flag
 from .read_engine import ReadEngine
 from .schedule.onecopy import ALGO
 
-MAGIC = 0x52434D5247310001  # "RCMRG1", layout version 1
+MAGIC = 0x52434D5247310002  # "RCMRG1", layout version 2 (ctl_layout.py)
 # Below this, automatic choice keeps the FIFO algorithms even on registered buffers: a read call
 # pays ~20-40 us before its first byte (Python, the descriptor, two syncs), where the compiled FIFO
 # loop streams small calls in a few. Measured 2026-12-01, 2 ranks, registered buffers, read against
@@ -319,7 +319,7 @@ class Registry:
             ex._waiting = None
 
     def _sleeper(self, ctl, word: int, ready, peer: int):
-        addr, mine, flag = address(ctl) + 8 * word, self.ctl.words, SYNC + self.n + peer
+        addr, mine, flag = address(ctl) + 8 * word, self.ctl.words, sleep_flag(self.n, peer)
 
         def block(seconds: float) -> None:
             mine[flag] = 1   # the peer's publish() wakes this rank only while it is set
@@ -333,12 +333,12 @@ class Registry:
 
     def publish(self, word: int, value: int) -> None:
         """Store ``value`` in this rank's control word ``word`` and wake the peers asleep on this
-        rank's words (their flag for it, SYNC + n + this rank, is set): no syscall when none
+        rank's words (their flag for it, sleep_flag(n, this rank), is set): no syscall when none
         sleeps. As in transport/shm.py, x86 may let the flag's read pass this store, and a peer
         that set its flag just then sleeps until its futex times out (Backoff.MAX_SLEEP): later,
         never lost."""
         self.ctl.words[word] = value
-        flag = SYNC + self.n + self.rank
+        flag = sleep_flag(self.n, self.rank)
         for theirs in self._peer_ctls():
             if theirs[flag]:
                 futex.wake(self.ctl.base + 8 * word)

@@ -25,6 +25,26 @@ from ringcomm.transport import cma
 # The collectives with a one-copy algorithm (all_to_all, gather and scatter have none).
 READ_COLLECTIVES = tuple(c for c in COLLECTIVES if "read" in catalogue.ALGOS[c])
 
+# ---- the control segment's layout (ctl_layout.py) ------------------------------------------------
+
+def test_control_words_share_cache_lines_by_who_writes_them_and_how_often():
+    from ringcomm import ctl_layout as L
+    line = lambda word: word // L.LINE_WORDS  # noqa: E731
+    assert {line(w) for w in (0, L.PID, L.CLOSED, L.MAPPED)} == {0}            # no call writes these
+    assert {line(w) for w in range(L.DESC, L.DESC + 6)} == {line(L.CALLS)} != {0}  # one call's handshake
+    for n in (1, 2, 3, 8, 9, 64):
+        syncs = {line(L.SYNC + p) for p in range(n)}
+        flags = [L.sleep_flag(n, p) for p in range(n)]
+        assert min(syncs) > line(L.CALLS) and not syncs & {line(f) for f in flags}, n
+        assert flags == list(range(flags[0], flags[0] + n)) and L.ctl_words(n) == flags[-1] + 1, n
+
+
+def test_the_compiled_read_calls_wake_by_the_layouts_own_flag():
+    from ringcomm import ctl_layout, read_native
+    flag = read_native._sleep_flag
+    assert getattr(flag, "py_func", flag) is ctl_layout.sleep_flag   # jitted by kernel(), or not yet
+
+
 # ---- the schedules, symbolically ----------------------------------------------------------------
 
 
