@@ -17,8 +17,8 @@ Words are grouped by who writes them how often, a 64-byte cache line each: a lin
 written costs a reader a transfer between cores (~0.1-0.2 us in these VMs), so the words of one
 call's handshake share a line (CALLS with its descriptor: one transfer where two lines took two),
 the liveness words that a call reads but no call writes have their own, and so do the sleep
-flags, which every publish reads and only a sleeping rank writes (beside the SYNC words, which
-each call writes, each publish's look cost a transfer).
+flags, which every publish reads and only a sleeping rank writes (on the SYNC words' line, which
+every call stores to, each of those reads cost a transfer).
 """
 from __future__ import annotations
 
