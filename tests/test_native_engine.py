@@ -277,3 +277,43 @@ def test_each_element_type_has_its_own_loop_and_cache_files():
         assert loop.py_func.__qualname__ == name
         assert len(loop.signatures) == 1
         assert glob.glob(os.path.join(loop._cache._cache_path, f"engine_native.{name}-*.nbi")), name
+
+
+def _cache_files(tmp_path, mtime):
+    """A module, and numba's cache files of one function of it, written at ``mtime``."""
+    module, cache = tmp_path / "mod.py", tmp_path / "__pycache__"
+    cache.mkdir()
+    module.write_text("")
+    files = [cache / "mod.fn-12.py311.nbi", cache / "mod.fn-12.py311.1.nbc"]
+    for f in files:
+        f.write_bytes(b"x")
+        os.utime(f, (mtime, mtime))
+    return module, files
+
+
+def test_a_compiled_functions_disk_cache_goes_stale_with_its_dependencies(tmp_path):
+    from ringcomm import native_sync
+    written = os.stat(native_sync.__file__).st_mtime + 10     # after native_sync.py's last edit
+    dep = tmp_path / "layout.py"
+    dep.write_text("")
+    os.utime(dep, (written + 100, written + 100))              # edited after the cache was written
+    module, files = _cache_files(tmp_path, written)
+    native_sync.drop_stale_cache(str(module), "fn")            # no dependency newer: kept
+    assert all(f.exists() for f in files)
+    native_sync.drop_stale_cache(str(module), "fn", deps=[dep])
+    assert not any(f.exists() for f in files)
+
+
+def test_a_cache_index_another_rank_dropped_first_is_no_error(tmp_path, monkeypatch):
+    """Two ranks starting on a stale cache both find its index; one unlinks it before the other
+    looks at its time (this raised FileNotFoundError in a rank's first compiled call)."""
+    import glob
+
+    from ringcomm import native_sync
+    module, files = _cache_files(tmp_path, 1e9)
+    gone = str(files[0]).replace("fn-12", "fn-13")              # listed, but no longer there
+    real_glob = glob.glob
+    monkeypatch.setattr(glob, "glob", lambda pattern: [gone] + real_glob(pattern) if pattern.endswith(".nbi")
+                        else real_glob(pattern))
+    native_sync.drop_stale_cache(str(module), "fn")            # the real, stale one still goes
+    assert not any(f.exists() for f in files)
