@@ -56,6 +56,18 @@ def step_spans(sched, m: int) -> list:
     return spans
 
 
+class _Plan:
+    """A schedule for one call shape (element count, element size), worked out once: whether any
+    step reduces, each step's spans, and read_native's rows (made at the first call that can run
+    compiled; None where a step reduces; False until then). A call then costs no chunk arithmetic."""
+
+    __slots__ = ("sched", "reduces", "spans", "native")
+
+    def __init__(self, sched, m: int):
+        self.sched, self.reduces = sched, any(step.reduces for step in sched.steps)
+        self.spans, self.native = step_spans(sched, m), False
+
+
 class ReadEngine:
     """One communicator's engine for read steps, over its Registry's mappings."""
 
@@ -64,8 +76,7 @@ class ReadEngine:
         self.calls = 0                       # registered calls entered, as published in CALLS
         self.syncs = np.zeros(reg.n, np.int64)   # syncs reached with each peer, as published in SYNC + p
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
-        self.plans: dict = {}                # (id(schedule), m) -> (schedule, reduces?, spans): _plan
-        self.compiled: dict = {}             # (id(schedule), m, itemsize) -> (schedule, read_native plan)
+        self.plans: dict = {}                # (id(schedule), m, itemsize) -> _Plan
         self.peer_words = None               # the peers' control words' addresses (read_native)...
         self.consts = self.iov = self.res = self.run_call = None   # ...and the rest it needs, made at first use
         self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
@@ -83,7 +94,8 @@ class ReadEngine:
             aout = ain if call.out is call.inp else address(call.out)
         self.calls += 1
         start, arrived = 0, False
-        compiled = self._compiled(ex, sched, call)
+        plan = self._plan(sched, call)
+        compiled = self._compiled(ex, plan, call)
         if compiled is not None:   # the whole call in compiled code, or up to where Python goes on
             start, arrived = self._run_compiled(ex, compiled, ain, aout, call)
             if start is None:
@@ -94,29 +106,24 @@ class ReadEngine:
                                     call.inp.nbytes, call.out.nbytes)
             self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
         views: dict = {}
-        reduces, spans = self._plan(sched, call.m)
-        if not reduces:   # copy-only: no kernel, no errstate
+        spans = plan.spans
+        if not plan.reduces:   # copy-only: no kernel, no errstate
             self._steps(ex, sched, call, None, views, ain, aout, spans, start, arrived)
             return
         with np.errstate(all="ignore"):
             self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout, spans,
                         start, arrived)
 
-    def _compiled(self, ex, sched, call):
+    def _compiled(self, ex, plan: _Plan, call):
         """read_native's plan for this call, where the compiled path applies: the native engine, plain
         buffers read by CMA (no allocation of this rank's is registered), a schedule that only
         copies, and local copies below stream_copy's threshold (the compiled path does not stream)."""
         reg = self.reg
         if ex.native is None or not reg.cma or reg.mine or call.out.nbytes >= stream_copy.STREAM_MIN_BYTES:
             return None
-        key = (id(sched), call.m, call.inp.itemsize)
-        got = self.compiled.get(key)
-        if got is None or got[0] is not sched:
-            if len(self.compiled) >= 64:
-                self.compiled.clear()
-            spans = self._plan(sched, call.m)[1]
-            got = self.compiled[key] = (sched, read_native.plan(sched, spans, call.inp.itemsize, reg.rank))
-        return got[1]
+        if plan.native is False:
+            plan.native = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank)
+        return plan.native
 
     def _run_compiled(self, ex, compiled, ain: int, aout: int, call):
         """Run the call in read_native's compiled function: (None, None) when it finished, else the
@@ -137,16 +144,16 @@ class ReadEngine:
         self.handed_back += 1
         return int(self.res[0]), bool(self.res[1])
 
-    def _plan(self, sched, m: int) -> tuple[bool, list]:
-        """(whether any step reduces, each step's (input offset, length, output offset)) for this
-        schedule and element count, worked out once: a call then costs no chunk arithmetic."""
-        key = (id(sched), m)
+    def _plan(self, sched, call) -> _Plan:
+        """This schedule's _Plan for the call's shape, from the cache (keyed by identity, and
+        checked: a recycled id never returns another schedule's plan)."""
+        key = (id(sched), call.m, call.inp.itemsize)
         got = self.plans.get(key)
-        if got is None or got[0] is not sched:
+        if got is None or got.sched is not sched:
             if len(self.plans) >= 64:
                 self.plans.clear()
-            got = self.plans[key] = (sched, any(step.reduces for step in sched.steps), step_spans(sched, m))
-        return got[1], got[2]
+            got = self.plans[key] = _Plan(sched, call.m)
+        return got
 
     def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, spans, start: int = 0,
                arrived: bool = False) -> None:

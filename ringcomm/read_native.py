@@ -31,6 +31,7 @@ import threading
 
 import numpy as np
 
+from ringcomm.transport import futex
 from ringcomm.transport.futex import FUTEX_WAKE, SYS_FUTEX
 
 from . import ctl_layout, native_sync
@@ -101,7 +102,6 @@ def kernel():
                 import numba
                 from numba import types
                 native_sync.intrinsics()
-                from ringcomm.transport import futex
                 # the control words' layout and futex's numbers are compiled in: an edit there is one here
                 native_sync.drop_stale_cache(__file__, "_run_call", deps=(ctl_layout.__file__, futex.__file__))
                 jit = numba.njit(nogil=True)
