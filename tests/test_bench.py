@@ -18,7 +18,7 @@ import threading
 import numpy as np
 import pytest
 
-from ringcomm.bench import alternate, jobs, placement, report, spec, verify, worker
+from ringcomm.bench import alternate, jobs, placement, report, runs, spec, verify, worker
 from ringcomm.bench.cli import parse_args
 from ringcomm.kernels import host
 
@@ -404,3 +404,54 @@ def test_a_gate_lets_one_rank_through_per_byte_and_an_abandoned_gate_is_an_error
     with pytest.raises(RuntimeError, match="closed the gate"):
         worker.gate(cfg, rank=1)
     os.close(worker._GATE.pop(gate.path))
+
+
+# ---- --runs: the sweep several times, rows by median -------------------------------------------------
+
+def _result(seconds_oop, seconds_ip, wrong=0):
+    """A one-row sweep result as cli.run_job gives it (2 ranks, all_reduce of 1 MiB)."""
+    def placed(s):
+        return {"seconds": s, "rank_seconds": [s, s * 0.9], "algbw": 0.0, "busbw": 0.0, "wrong": wrong,
+                "rank_wrong": [wrong, 0], "skipped": None}
+    row = {"size": 1 << 20, "count": 1 << 18, "type": "float", "redop": "sum", "root": -1,
+           "oop": placed(seconds_oop), "ip": placed(seconds_ip)}
+    return {"facts": {}, "pids": [1, 2], "rows": {"auto": [row]}, "round_trip_ns": [100.0, 120.0]}
+
+
+def test_runs_combine_rows_by_median_and_keep_every_run():
+    got = runs.combine("all_reduce", 2, [_result(5e-4, 2e-4), _result(1e-4, 9e-4, wrong=5), _result(2e-4, 1e-4)])
+    row = got["rows"]["auto"][0]
+    assert row["oop"]["seconds"] == 2e-4 and row["ip"]["seconds"] == 2e-4
+    assert row["oop"]["run_seconds"] == [5e-4, 1e-4, 2e-4]      # the median, not the mean
+    assert (row["oop"]["algbw"], row["oop"]["busbw"]) == spec.bandwidth("all_reduce", 1 << 20, 2e-4, 2)
+    assert row["oop"]["rank_seconds"] == [2e-4, 2e-4 * 0.9]      # the median run's ranks
+    assert row["oop"]["wrong"] == 5 and report.out_of_bounds([row]) == 2   # a wrong run is never hidden
+    assert runs.spread(row["oop"]) == pytest.approx(2.5) and runs.spread(row["ip"]) == pytest.approx(4.5)
+    assert got["runs"] == 3 and got["round_trip_ns"] == [100.0, 120.0]
+    lines = runs.spread_lines(3, got["rows"]["auto"], {})
+    assert lines[-2].split() == ["#", "1048576", "2.50x", "4.50x"] and lines[-1].endswith("4.50x")
+
+
+def test_runs_must_be_positive_and_alone_with_reproducible():
+    for bad in (["--runs", "0"], ["--runs", "2", "--reproducible"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["all_reduce"] + bad)
+        assert e.value.code == 2
+
+
+@pytest.mark.timeout(150)
+def test_runs_print_medians_and_each_rows_spread(tmp_path):
+    js = tmp_path / "runs.json"
+    rc, out, err = _run_cli(["all_gather", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "--iters", "2",
+                             "--warmup", "1", "--check", "--runs", "3", "--no-progress", "--no-placement",
+                             "--json", str(js)])
+    assert rc == 0, err
+    assert [int(r[0]) for r in _rows(out)] == [1024, 4096]
+    spread = [line.split() for line in out.splitlines() if re.match(r"# +\d+ +\d+\.\d\dx", line)]
+    assert [int(s[1]) for s in spread] == [1024, 4096], out
+    doc = json.loads(js.read_text())
+    assert doc["config"]["runs"] == 3
+    for row in doc["ringcomm"]["rows"]["auto"]:
+        for key in ("oop", "ip"):
+            assert len(row[key]["run_seconds"]) == 3
+            assert row[key]["seconds"] == sorted(row[key]["run_seconds"])[1]

@@ -2,12 +2,15 @@
 
     ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
                    --warmup W --check [--algo A] [--transport T] [--engine python|native] [--registered]
-                   [--json FILE] [--plot FILE.png] [--peer gloo|mpi|nccl]... [--alternate] [--reproducible]
+                   [--json FILE] [--plot FILE.png] [--peer gloo|mpi|nccl]... [--alternate] [--runs N]
+                   [--reproducible]
 
 It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one job after the
 other; with --alternate all at once, each row run by every library before the next: alternate.py),
 and prints one table whose rows gain each peer's out-of-place time, busbw and the ratio
-ringcomm / peer. Exit status 1 when any result was wrong (or ringcomm failed), 2 for bad arguments.
+ringcomm / peer. With --runs N the whole sweep runs N times and each row shows the median of its
+runs, with each row's spread after the table (runs.py). Exit status 1 when any result was wrong (or
+ringcomm failed), 2 for bad arguments.
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ import os
 import signal
 import sys
 
-from . import alternate, machine, placement, report, reproducible, spec
+from . import alternate, machine, placement, report, reproducible, runs, spec
 from .jobs import Job, JobFailed, missing_reason, skip_reason
 from .sweep import Sweep, job_config
 
@@ -64,6 +67,9 @@ def parse_args(argv):
     p.add_argument("--alternate", action="store_true",
                    help="start every library's ranks at once and run each row in every library before the "
                         "next (a second or so apart, in the same vCPU placement); one ringcomm algorithm")
+    p.add_argument("--runs", type=int, default=1, metavar="N",
+                   help="run the whole sweep this many times (with --alternate, alternating each time); each "
+                        "row shows the median of its runs, and the spread follows the table (default 1)")
     p.add_argument("--reproducible", action="store_true",
                    help="time plain and reproducible=True calls alternately, print both and their ratio, "
                         "and check that the reproducible bits are identical across runs, ranks and algorithms")
@@ -82,6 +88,8 @@ def parse_args(argv):
         p.error(f"root {a.root} is out of range for {a.ranks} ranks")
     if a.iters < 1 or a.warmup < 0:
         p.error("--iters must be >= 1 and --warmup >= 0")
+    if a.runs < 1 or (a.runs > 1 and a.reproducible):
+        p.error("--runs must be >= 1, and 1 with --reproducible (which alternates its own two calls)")
     a.peer = list(dict.fromkeys(a.peer))
     if a.alternate and (len(a.algos) > 1 or a.reproducible):
         p.error("--alternate takes turns row by row with the peers: one ringcomm algorithm, no --reproducible")
@@ -190,27 +198,31 @@ def main(argv=None) -> int:
 
 def _main(a, argv) -> int:
     facts = machine.facts()
-    progress = machine.Progress(len(a.sizes) * 2 * (len(a.algos) + len(a.peer)), enabled=not a.no_progress)
+    progress = machine.Progress(len(a.sizes) * 2 * (len(a.algos) + len(a.peer)) * a.runs,
+                                enabled=not a.no_progress)
     memcpy = machine.memcpy_gbps()
-    try:
-        if a.alternate:
-            mine, peers, skipped = _alternating(a, progress)
-        else:
+    if a.reproducible:
+        try:
             mine = run_job("ringcomm", a, a.algos, progress)
+        except JobFailed as e:
+            progress.close()
+            print(f"ringcomm-bench: error: ringcomm's sweep failed: {e}", file=sys.stderr)
+            return 1
+        progress.close()
+        lines, ok = reproducible.table(a, mine["rows"], (_load(facts["loadavg_at_start"]), _load(os.getloadavg())))
+        print("\n".join(lines), flush=True)
+        return 0 if ok else 1
+    try:
+        mine, peers, skipped = _sweeps(a, progress)
     except JobFailed as e:
         progress.close()
         print(f"ringcomm-bench: error: ringcomm's sweep failed: {e}", file=sys.stderr)
         return 1
-    if not a.alternate:
-        progress.note(f"ringcomm-bench: ringcomm done ({a.collective}, {a.ranks} ranks)")
-        if a.reproducible:
-            progress.close()
-            lines, ok = reproducible.table(a, mine["rows"], (_load(facts["loadavg_at_start"]), _load(os.getloadavg())))
-            print("\n".join(lines), flush=True)
-            return 0 if ok else 1
-        peers, skipped = _one_after_another(a, progress)
     progress.close()
-    print("\n".join(_table(a, mine, peers, skipped, memcpy, facts)), flush=True)
+    lines = _table(a, mine, peers, skipped, memcpy, facts)
+    if a.runs > 1:
+        lines += runs.spread_lines(a.runs, [r for rs in mine["rows"].values() for r in rs], peers)
+    print("\n".join(lines), flush=True)
     rows = [r for rs in mine["rows"].values() for r in rs]
     peer_rows = [r for run in peers.values() for rs in run["rows"].values() for r in rs]
     if a.json:
@@ -218,6 +230,27 @@ def _main(a, argv) -> int:
     if a.plot:
         _plot(a, mine, peers, memcpy)
     return 1 if report.out_of_bounds(rows) or report.out_of_bounds(peer_rows) else 0
+
+
+def _sweeps(a, progress):
+    """(ringcomm's result, the peers' results, the peers skipped and why): one sweep, or --runs of
+    them combined row by row (a peer skipped in any run is left out)."""
+    results, skipped = [], {}
+    for _ in range(a.runs):
+        if a.alternate:
+            mine, peers, why = _alternating(a, progress)
+        else:
+            mine = run_job("ringcomm", a, a.algos, progress)
+            progress.note(f"ringcomm-bench: ringcomm done ({a.collective}, {a.ranks} ranks)")
+            peers, why = _one_after_another(a, progress)
+        results.append((mine, peers))
+        skipped.update(why)
+    if a.runs == 1:
+        return results[0][0], results[0][1], skipped
+    mine = runs.combine(a.collective, a.ranks, [m for m, _ in results])
+    names = [name for name in results[0][1] if name not in skipped and all(name in p for _, p in results)]
+    peers = {name: runs.combine(a.collective, a.ranks, [p[name] for _, p in results]) for name in names}
+    return mine, peers, skipped
 
 
 def _one_after_another(a, progress):
@@ -260,7 +293,8 @@ def _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows):
     doc = {"command": ["ringcomm-bench"] + list(sys.argv[1:] if argv is None else argv),
            "config": {k: getattr(a, k) for k in ("collective", "ranks", "minbytes", "maxbytes", "stepfactor",
                                                   "datatype", "op", "root", "iters", "warmup", "check",
-                                                  "algos", "transport", "engine", "registered", "sizes")},
+                                                  "algos", "transport", "engine", "registered", "sizes",
+                                                  "runs")},
            "machine": facts, "memcpy_gbps": memcpy, "ringcomm": mine, "peers": peers, "skipped": skipped,
            "summary": {"out_of_bounds": report.out_of_bounds(rows), "avg_busbw": report.avg_busbw(rows)}}
     with open(a.json, "w") as f:

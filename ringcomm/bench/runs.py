@@ -1,0 +1,75 @@
+"""`ringcomm-bench --runs N`: the whole sweep N times; each row's time is the median of its runs.
+
+On a shared or virtual machine one run of a row can be far from its usual time (a vCPU moved, a
+neighbour woke up, the scheduler stacked two ranks on one core), in either library. A single
+sweep's ratio then says as much about that moment as about the libraries. With ``--runs N``
+every library's sweep runs N times (with --alternate: N alternating sweeps, each with fresh
+jobs), and the table shows, per row, the median of the N runs' mean times, with the bandwidths
+worked out from it; #wrong adds up the runs. After the table, one line per row gives its spread:
+the slowest run's time over the median, for ringcomm's two placements and each peer's out of
+place, so a reader sees which rows to trust (and whether any run was slower than 2x its median).
+"""
+from __future__ import annotations
+
+import statistics
+
+from . import spec
+
+
+def combine(coll: str, ranks: int, results: list[dict]) -> dict:
+    """One backend's result (as cli.run_job gives it) from its results of several runs of the same
+    sweep: rows by median time, every run's times kept as ``run_seconds``."""
+    first = results[0]
+    rows = {label: [_median_row(coll, ranks, [r["rows"][label][j] for r in results]) for j in range(len(rs))]
+            for label, rs in first["rows"].items()}
+    trips = [t for r in results for t in (r.get("round_trip_ns") or [])]
+    return {**first, "rows": rows, "runs": len(results),
+            "round_trip_ns": [trips[0], trips[-1]] if trips else [None, None]}
+
+
+def _median_row(coll: str, ranks: int, same: list[dict]) -> dict:
+    row = dict(same[0])
+    for key in ("oop", "ip"):
+        placed = [r[key] for r in same]
+        if placed[0].get("skipped"):
+            continue
+        seconds = [p["seconds"] for p in placed]
+        median = statistics.median(seconds)
+        middle = min(placed, key=lambda p: abs(p["seconds"] - median))   # its ranks' times stand for the row
+        algbw, busbw = spec.bandwidth(coll, row["size"], median, ranks)
+        wrong = [p["wrong"] for p in placed]
+        rank_wrong = [w for p in placed for w in (p["rank_wrong"] or [])]
+        row[key] = {**middle, "seconds": median, "algbw": algbw, "busbw": busbw, "run_seconds": seconds,
+                    "wrong": None if all(w is None for w in wrong) else sum(w or 0 for w in wrong),
+                    "rank_wrong": rank_wrong if any(p["rank_wrong"] is not None for p in placed) else None}
+    return row
+
+
+def spread(placed: dict) -> float | None:
+    """The slowest run's time over the median (1.0: every run at or below it); None if not run."""
+    if placed.get("skipped") or not placed.get("run_seconds"):
+        return None
+    return max(placed["run_seconds"]) / placed["seconds"] if placed["seconds"] else None
+
+
+def spread_lines(runs: int, mine_rows: list[dict], peers: dict) -> list[str]:
+    """The block after the table: per row, each column's slowest run over its median."""
+    names = list(peers)
+    by_size = {name: {r["size"]: r for r in run["rows"].get("auto", [])} for name, run in peers.items()}
+    head = "# %10s  %12s  %8s" % ("size", "ringcomm oop", "in-place") + "".join("  %8s" % n for n in names)
+    lines = [f"# Runs: {runs}. Each time above is the median of the runs' means; below, per row, the slowest "
+             f"run's time over that median", head]
+    for row in mine_rows:
+        cells = [spread(row["oop"]), spread(row["ip"])]
+        cells += [spread(by_size[n][row["size"]]["oop"]) if row["size"] in by_size[n] else None for n in names]
+        lines.append("# %10d  %12s  %8s" % (row["size"], _x(cells[0]), _x(cells[1]))
+                     + "".join("  %8s" % _x(c) for c in cells[2:]))
+    worst = max((c for row in mine_rows for c in (spread(row["oop"]), spread(row["ip"])) if c is not None),
+                default=None)
+    if worst is not None:
+        lines.append(f"# ringcomm's slowest run over its row's median: {worst:.2f}x")
+    return lines
+
+
+def _x(value) -> str:
+    return "N/A" if value is None else "%.2fx" % value
