@@ -428,7 +428,7 @@ def test_runs_combine_rows_by_median_and_keep_every_run():
     assert row["oop"]["wrong"] == 5 and report.out_of_bounds([row]) == 2   # a wrong run is never hidden
     assert runs.spread(row["oop"]) == pytest.approx(2.5) and runs.spread(row["ip"]) == pytest.approx(4.5)
     assert got["runs"] == 3 and got["round_trip_ns"] == [100.0, 120.0]
-    lines = runs.spread_lines(3, got["rows"]["auto"], {})
+    lines = runs.spread_lines(3, got["rows"], {})
     assert lines[-2].split() == ["#", "1048576", "2.50x", "4.50x"] and lines[-1].endswith("4.50x")
 
 

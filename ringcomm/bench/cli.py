@@ -221,7 +221,7 @@ def _main(a, argv) -> int:
     progress.close()
     lines = _table(a, mine, peers, skipped, memcpy, facts)
     if a.runs > 1:
-        lines += runs.spread_lines(a.runs, [r for rs in mine["rows"].values() for r in rs], peers)
+        lines += runs.spread_lines(a.runs, mine["rows"], peers)
     print("\n".join(lines), flush=True)
     rows = [r for rs in mine["rows"].values() for r in rs]
     peer_rows = [r for run in peers.values() for rs in run["rows"].values() for r in rs]

@@ -52,23 +52,31 @@ def spread(placed: dict) -> float | None:
     return max(placed["run_seconds"]) / placed["seconds"] if placed["seconds"] else None
 
 
-def spread_lines(runs: int, mine_rows: list[dict], peers: dict) -> list[str]:
-    """The block after the table: per row, each column's slowest run over its median."""
+def spread_lines(runs: int, mine: dict, peers: dict) -> list[str]:
+    """The block after the table: per row (of each ringcomm algorithm in ``mine``, {label: rows}),
+    each column's slowest run over its median."""
     names = list(peers)
     by_size = {name: {r["size"]: r for r in run["rows"].get("auto", [])} for name, run in peers.items()}
     head = "# %10s  %12s  %8s" % ("size", "ringcomm oop", "in-place") + "".join("  %8s" % n for n in names)
     lines = [f"# Runs: {runs}. Each time above is the median of the runs' means; below, per row, the slowest "
-             f"run's time over that median", head]
-    for row in mine_rows:
-        cells = [spread(row["oop"]), spread(row["ip"])]
-        cells += [spread(by_size[n][row["size"]]["oop"]) if row["size"] in by_size[n] else None for n in names]
-        lines.append("# %10d  %12s  %8s" % (row["size"], _x(cells[0]), _x(cells[1]))
-                     + "".join("  %8s" % _x(c) for c in cells[2:]))
+             f"run's time over that median"]
+    mine_rows = []
+    for label, rows in mine.items():
+        lines += ([f"# Algorithm: {label}"] if len(mine) > 1 else []) + [head]
+        lines += [_spread_row(row, names, by_size) for row in rows]
+        mine_rows += rows
     worst = max((c for row in mine_rows for c in (spread(row["oop"]), spread(row["ip"])) if c is not None),
                 default=None)
     if worst is not None:
         lines.append(f"# ringcomm's slowest run over its row's median: {worst:.2f}x")
     return lines
+
+
+def _spread_row(row: dict, names: list, by_size: dict) -> str:
+    cells = [spread(row["oop"]), spread(row["ip"])]
+    cells += [spread(by_size[n][row["size"]]["oop"]) if row["size"] in by_size[n] else None for n in names]
+    return ("# %10d  %12s  %8s" % (row["size"], _x(cells[0]), _x(cells[1]))
+            + "".join("  %8s" % _x(c) for c in cells[2:]))
 
 
 def _x(value) -> str:
