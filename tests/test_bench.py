@@ -430,6 +430,8 @@ def test_runs_combine_rows_by_median_and_keep_every_run():
     assert got["runs"] == 3 and got["round_trip_ns"] == [100.0, 120.0]
     lines = runs.spread_lines(3, got["rows"], {})
     assert lines[-2].split() == ["#", "1048576", "2.50x", "4.50x"] and lines[-1].endswith("4.50x")
+    two = runs.spread_lines(3, {"ring": got["rows"]["auto"], "tree": got["rows"]["auto"]}, {})
+    assert [line for line in two if line.startswith("# Algorithm:")] == ["# Algorithm: ring", "# Algorithm: tree"]
 
 
 def test_runs_must_be_positive_and_alone_with_reproducible():
