@@ -57,7 +57,7 @@ def _kernel(name: str, dt: np.dtype):
         with _lock:
             k = _cache.get(key)
             if k is None:
-                fn = _make(name, _host.FORMATS[dt])
+                fn = _make(name, _host.format_of(dt))
                 fn.__name__ = fn.__qualname__ = f"ringcomm_repro_{name}_{dt}"
                 k = _cache[key] = cuda.jit(fn)
     return k

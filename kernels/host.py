@@ -44,21 +44,68 @@ AVG. NCCL (src/enqueue.cc, hostToDevRedOp) lowers ncclAvg per type:
   and round once, which gives the correctly rounded quotient. (Newest NCCL also has a float FuncSumPostDiv,
   for its symmetric kernels, whose post-op multiplies the finished sum by 1/n rather than dividing.)
 """
+import sys
 import threading
 
-import ml_dtypes
 import numpy as np
 
 OPS = ("sum", "prod", "min", "max", "avg")
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 FLOAT16 = np.dtype(np.float16)
-SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
-    np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
-    np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64))
+# numpy's own dtypes; bfloat16 is ml_dtypes', which is imported only when asked for (bfloat16(),
+# or BFLOAT16 / SUPPORTED_DTYPES from this module): ml_dtypes 0.7.0 takes ~0.47 s to import, and no
+# array can be bfloat16 before its owner has imported ml_dtypes (is_bfloat16 looks in sys.modules).
+NUMPY_DTYPES = tuple(np.dtype(t) for t in (
+    np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64))
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "uint32", "int64",
+               "uint64")
+_bf16 = None   # ml_dtypes' bfloat16 as a numpy dtype, once ml_dtypes is imported
+
+
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16 (importing ml_dtypes)."""
+    global _bf16
+    if _bf16 is None:
+        import ml_dtypes
+        _bf16 = np.dtype(ml_dtypes.bfloat16)
+    return _bf16
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` (a numpy dtype) is ml_dtypes' bfloat16, without importing ml_dtypes."""
+    if _bf16 is None:
+        if "ml_dtypes" not in sys.modules:
+            return False
+        bfloat16()
+    return dtype == _bf16
+
+
+def as_dtype(dtype) -> np.dtype:
+    """np.dtype(dtype), the name "bfloat16" included (numpy knows it only once ml_dtypes is imported)."""
+    return bfloat16() if isinstance(dtype, str) and dtype == "bfloat16" else np.dtype(dtype)
+
+
+def supported(dtype) -> bool:
+    """Whether ringcomm reduces arrays of this numpy dtype."""
+    return dtype in NUMPY_DTYPES or is_bfloat16(dtype)
+
+
+def is_float16ish(dtype) -> bool:
+    """float16 or bfloat16: the two types reduced by the 16-bit loops (_run16)."""
+    return dtype == FLOAT16 or is_bfloat16(dtype)
+
+
+def __getattr__(name):
+    """BFLOAT16 and SUPPORTED_DTYPES (in DTYPE_NAMES' order), made at first use: they import ml_dtypes."""
+    if name == "BFLOAT16":
+        return bfloat16()
+    if name == "SUPPORTED_DTYPES":
+        return tuple(bfloat16() if n == "bfloat16" else np.dtype(n) for n in DTYPE_NAMES)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 # Native dtypes: one ufunc per (dtype, op). AVG reduces like SUM; its division is postprocess's job.
 _NATIVE = {}
-for _dt in SUPPORTED_DTYPES[2:]:
+for _dt in NUMPY_DTYPES[1:]:
     _float = _dt.kind == "f"
     _NATIVE.update({(_dt, "sum"): np.add, (_dt, "avg"): np.add, (_dt, "prod"): np.multiply,
                     (_dt, "min"): np.fmin if _float else np.minimum,     # fmin: NaN-dropping, like fminf
@@ -78,7 +125,7 @@ def _check(out, *ins):
 def _unsupported(op, dtype):
     if op not in OPS:
         return ValueError(f"unknown reduction op {op!r}; expected one of {OPS}")
-    return TypeError(f"dtype {dtype} is not supported; expected one of {[str(d) for d in SUPPORTED_DTYPES]}")
+    return TypeError(f"dtype {dtype} is not supported; expected one of {list(DTYPE_NAMES)}")
 
 
 def reduce_copy(out, a, b, op):
@@ -93,7 +140,7 @@ def reduce_copy(out, a, b, op):
             ufunc(a, b, out=out)
         return out
     code = _CODE16.get(op)
-    if code is None or out.dtype not in (FLOAT16, BFLOAT16):
+    if code is None or not is_float16ish(out.dtype):
         raise _unsupported(op, out.dtype)
     _run16(out, a, b, code, np.float32(1))
     return out
@@ -110,7 +157,7 @@ def elementwise(op, dtype):
     if ufunc is not None:
         return ufunc
     code = _CODE16.get(op)
-    if code is None or dtype not in (FLOAT16, BFLOAT16):
+    if code is None or not is_float16ish(dtype):
         raise _unsupported(op, dtype)
     one = np.float32(1)
 
@@ -135,11 +182,11 @@ def postprocess(arr, op, n):
     if n < 1:
         raise ValueError(f"AVG needs the number of contributions n >= 1, got {n}")
     dt = arr.dtype
-    if dt.kind in "iu" and dt in SUPPORTED_DTYPES:
+    if dt.kind in "iu" and dt in NUMPY_DTYPES:
         _int_avg(arr, n)
-    elif dt in (FLOAT16, BFLOAT16):
+    elif is_float16ish(dt):
         _run16(arr, arr, arr, 4, np.float32(n))
-    elif dt in SUPPORTED_DTYPES:
+    elif dt in NUMPY_DTYPES:
         with np.errstate(all="ignore"):
             np.divide(arr, n, out=arr)          # n converts to the array's float type (NEP 50)
     else:

@@ -32,7 +32,7 @@ KIND_F16, KIND_BF16 = 1, 2
 def kind16(dtype) -> int:
     """KIND_F16 / KIND_BF16 for the 16-bit floats, else 0."""
     dtype = np.dtype(dtype)
-    return KIND_F16 if dtype == host.FLOAT16 else KIND_BF16 if dtype == host.BFLOAT16 else 0
+    return KIND_F16 if dtype == host.FLOAT16 else KIND_BF16 if host.is_bfloat16(dtype) else 0
 
 
 def storage(dtype) -> np.dtype:
@@ -44,7 +44,7 @@ def supported(dtype) -> bool:
     """Whether the compiled bodies give host's bits for ``dtype`` here: float16 needs the CPU's
     half conversions (host falls back to numpy's loops without them, and so do we, to Python)."""
     dtype = np.dtype(dtype)
-    if dtype not in host.SUPPORTED_DTYPES:
+    if not host.supported(dtype):
         return False
     return dtype != host.FLOAT16 or host._kernel16()[1]
 

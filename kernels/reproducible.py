@@ -38,10 +38,9 @@ from __future__ import annotations
 import threading
 from typing import NamedTuple
 
-import ml_dtypes
 import numpy as np
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+from . import host
 # numba.cuda (or its simulator) once ringcomm.kernels.device_reproducible is imported. The device bodies
 # name it as a module global, which is what the simulator swaps for its per-thread grid; the host
 # bodies never reach it (DEVICE is a constant, numba prunes the branch).
@@ -82,13 +81,25 @@ class Format(NamedTuple):
 
 # Checked by tests/test_reproducible_kernels.py: every lower digit sum of MAX_WORLD ranks fits its
 # limb, and MAX_WORLD * 2^(F+1) fits the limbs' combined width (NL*W - (NL-1)*(W-B) bits, signed).
-FORMATS = {
+# bfloat16's is kept apart: its dtype is ml_dtypes', imported only at first use (kernels/host.py);
+# FORMATS, DTYPES and BFLOAT16 are made when first asked for (__getattr__ below).
+_BF16_FORMAT = Format(np.dtype(np.uint16), 8, 7, 2, 52, np.dtype(np.int64), 1, 62)
+_NUMPY_FORMATS = {
     np.dtype(np.float16): Format(np.dtype(np.uint16), 5, 10, 1, 52, np.dtype(np.int64), 1, 62),
-    BFLOAT16: Format(np.dtype(np.uint16), 8, 7, 2, 52, np.dtype(np.int64), 1, 62),
     np.dtype(np.float32): Format(np.dtype(np.uint32), 8, 23, 2, 64, np.dtype(np.int32), 3, 22),
     np.dtype(np.float64): Format(np.dtype(np.int64), 11, 52, 9, 106, np.dtype(np.int64), 2, 54),
 }
-DTYPES = tuple(FORMATS)
+DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def __getattr__(name):
+    """FORMATS ({dtype: Format}, bfloat16 second), DTYPES (its keys) and BFLOAT16: they import ml_dtypes."""
+    if name == "BFLOAT16":
+        return host.bfloat16()
+    if name in ("FORMATS", "DTYPES"):
+        formats = {host.as_dtype(n): format_of(host.as_dtype(n)) for n in DTYPE_NAMES}
+        return formats if name == "FORMATS" else tuple(formats)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def codes_for(fmt: Format) -> tuple[int, int, int, int]:
@@ -297,7 +308,7 @@ def _host(name: str, dt: np.dtype):
                 import numba
                 # nogil: other threads run while a rank converts. cache: ranks are processes, compile
                 # once per machine (numba keys a closure's cache entry by its cells' values too).
-                k = _cache[key] = numba.njit(nogil=True, cache=True)(_MAKERS[name](FORMATS[dt], False))
+                k = _cache[key] = numba.njit(nogil=True, cache=True)(_MAKERS[name](format_of(dt), False))
     return k
 
 
@@ -313,10 +324,10 @@ def compile_host(dt) -> None:
 
 
 def format_of(dt) -> Format:
-    dt = np.dtype(dt)
-    fmt = FORMATS.get(dt)
+    dt = host.as_dtype(dt)
+    fmt = _NUMPY_FORMATS.get(dt) or (_BF16_FORMAT if host.is_bfloat16(dt) else None)
     if fmt is None:
-        raise TypeError(f"reproducible sums take {', '.join(map(str, DTYPES))}; got {dt}")
+        raise TypeError(f"reproducible sums take {', '.join(DTYPE_NAMES)}; got {dt}")
     return fmt
 
 

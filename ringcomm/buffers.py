@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from ringcomm.kernels.host import BFLOAT16, SUPPORTED_DTYPES
+from ringcomm.kernels.host import DTYPE_NAMES, bfloat16, supported
 
 
 def host_array(buf, what: str, *, writable: bool) -> np.ndarray:
@@ -32,9 +32,9 @@ def host_array(buf, what: str, *, writable: bool) -> np.ndarray:
             return device_array(buf, what, writable=writable)
         raise TypeError(f"{what} must be a numpy array or a CUDA device array (cupy, torch, numba), "
                         f"got {type(buf).__name__}")
-    if buf.dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{what} has dtype {buf.dtype}, which ringcomm does not reduce; supported: {names}")
+    if not supported(buf.dtype):
+        raise TypeError(f"{what} has dtype {buf.dtype}, which ringcomm does not reduce; supported: "
+                        f"{', '.join(DTYPE_NAMES)}")
     if not buf.flags.c_contiguous:
         raise ValueError(f"{what} is not C-contiguous (strides {buf.strides}); pass np.ascontiguousarray(...)")
     if writable and not buf.flags.writeable:
@@ -126,8 +126,7 @@ def _torch_interface(t, what):
     """torch's interface knows neither bfloat16 nor the wider unsigned types, and names no stream: take it from
     a signed-integer view of the same width, and name torch's current stream."""
     import torch
-    names = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "uint32", "int64", "uint64")
-    dtype = next((np.dtype(BFLOAT16 if n == "bfloat16" else n) for n in names
+    dtype = next((bfloat16() if n == "bfloat16" else np.dtype(n) for n in DTYPE_NAMES
                   if getattr(torch, n, None) == t.dtype), None)
     if dtype is None:
         raise TypeError(f"{what} has dtype {t.dtype}, which ringcomm does not reduce")
@@ -147,9 +146,9 @@ def _c_strides(shape, itemsize) -> tuple:
 
 
 def _check_device(dtype, contiguous, readonly, what, writable) -> None:
-    if dtype not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"{what} has dtype {dtype}, which ringcomm does not reduce; supported: {names}")
+    if not supported(dtype):
+        raise TypeError(f"{what} has dtype {dtype}, which ringcomm does not reduce; supported: "
+                        f"{', '.join(DTYPE_NAMES)}")
     if not contiguous:
         raise ValueError(f"{what} is not C-contiguous; pass a contiguous copy")
     if writable and readonly:

@@ -147,10 +147,10 @@ class Registry:
     # ---- alloc ----------------------------------------------------------------------------------
 
     def alloc(self, shape, dtype) -> np.ndarray:
-        shape, dtype = _shape(shape), np.dtype(dtype)
-        if dtype not in kernels.SUPPORTED_DTYPES:
+        shape, dtype = _shape(shape), kernels.as_dtype(dtype)
+        if not kernels.supported(dtype):
             raise TypeError(f"alloc: dtype {dtype} is not one ringcomm reduces; supported: "
-                            f"{', '.join(str(d) for d in kernels.SUPPORTED_DTYPES)}")
+                            f"{', '.join(kernels.DTYPE_NAMES)}")
         count = int(np.prod(shape, dtype=np.int64))
         if not self.shared:  # one rank, or peers on other hosts: nothing to map, ordinary memory
             return np.zeros(shape, dtype)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ringcomm.kernels import reproducible as kernels
+from ringcomm.kernels import host, reproducible as kernels
 
 from .ops import AVG, MAX, SUM
 
@@ -44,9 +44,12 @@ def check(collective: str, dtype, op, world_size: int) -> kernels.Format:
     """The wire format, or the ValueError every rank raises before any byte moves."""
     if op not in OPS:
         raise ValueError(f"{collective}: reproducible=True supports op sum and avg, not {op}")
-    fmt = kernels.FORMATS.get(np.dtype(dtype))
+    try:
+        fmt = kernels.format_of(dtype)
+    except TypeError:
+        fmt = None
     if fmt is None:
-        names = ", ".join(str(d) for d in kernels.DTYPES)
+        names = ", ".join(kernels.DTYPE_NAMES)
         raise ValueError(f"{collective}: reproducible=True needs a float dtype ({names}), got {dtype}")
     if world_size > kernels.MAX_WORLD:
         raise ValueError(f"{collective}: reproducible=True supports up to {kernels.MAX_WORLD} ranks "
@@ -68,7 +71,7 @@ def cost(collective: str, algo: str, world_size: int, nbytes, alpha, beta, gamma
     of the SUM pass on the limbs (NL limbs per element), their sum and its ratio to plain. The kernels
     that convert (a few ns per element on a CPU) are not in the model."""
     from . import model as _model
-    fmt = kernels.format_of(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype)
+    fmt = kernels.format_of(dtype)
     count = nbytes / fmt_itemsize(dtype)
     code_algo = algo if collective == "all_reduce" else "ring"
     plain = _model.cost(collective, algo, world_size, nbytes, alpha, beta, gamma, root=root, model=model)
@@ -82,7 +85,7 @@ def cost(collective: str, algo: str, world_size: int, nbytes, alpha, beta, gamma
 
 def describe(dtype, world_size: int | None = None) -> str:
     """One line for reports (ringcomm.verify, ringcomm-bench): what reproducible mode does to a call."""
-    fmt = kernels.format_of(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype)
+    fmt = kernels.format_of(dtype)
     if world_size is not None and world_size <= 2 and fmt.one_add_suffices:
         return ("order-independent: with two ranks one IEEE addition is the exact sum rounded once; "
                 "the plain collective's bytes, then NaN and zeros made canonical")
@@ -93,7 +96,7 @@ def describe(dtype, world_size: int | None = None) -> str:
 
 
 def fmt_itemsize(dtype) -> int:
-    return np.dtype(kernels.BFLOAT16 if str(dtype) == "bfloat16" else dtype).itemsize
+    return host.as_dtype(dtype).itemsize
 
 
 def run(comm, collective: str, algo: str, x, y, op, root=None) -> None:

@@ -332,3 +332,26 @@ def test_kernels_never_import_the_core_and_numba_only_lazily():
         top = {a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names}
         top |= {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
         assert not any(m.split(".")[0] in ("numba", "llvmlite") for m in top), path.name
+
+
+def test_ringcomm_imports_ml_dtypes_only_for_bfloat16():
+    """ml_dtypes 0.7.0 takes ~0.5 s to import: `import ringcomm` leaves it out until bfloat16 is asked
+    for, and a bfloat16 array, which only a program that imported ml_dtypes can have, still counts."""
+    import subprocess
+    import sys
+    code = "\n".join([
+        "import sys, numpy as np, ringcomm",
+        "from ringcomm.kernels import host, reproducible",
+        "f32 = np.dtype(np.float32)",
+        "assert host.supported(f32) and not host.is_bfloat16(f32) and reproducible.format_of(f32)",
+        "assert not host.supported(np.dtype(np.complex64)) and not host.is_float16ish(f32)",
+        "assert 'ml_dtypes' not in sys.modules, 'imported by ringcomm'",
+        "import ml_dtypes",
+        "bf = np.dtype(ml_dtypes.bfloat16)",
+        "assert host.supported(bf) and host.is_bfloat16(bf) and host.is_float16ish(bf)",
+        "assert host.as_dtype('bfloat16') == bf and reproducible.format_of('bfloat16').EB == 8",
+        "assert host.SUPPORTED_DTYPES[1] == bf and len(host.SUPPORTED_DTYPES) == len(host.DTYPE_NAMES)",
+        "print('ok')",
+    ])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
