@@ -54,10 +54,9 @@ FLOAT16 = np.dtype(np.float16)
 # numpy's own dtypes; bfloat16 is ml_dtypes', which is imported only when asked for (bfloat16(),
 # or BFLOAT16 / SUPPORTED_DTYPES from this module): ml_dtypes 0.7.0 takes ~0.47 s to import, and no
 # array can be bfloat16 before its owner has imported ml_dtypes (is_bfloat16 looks in sys.modules).
-NUMPY_DTYPES = tuple(np.dtype(t) for t in (
-    np.float16, np.float32, np.float64, np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64))
 DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "uint32", "int64",
                "uint64")
+NUMPY_DTYPES = tuple(np.dtype(n) for n in DTYPE_NAMES if n != "bfloat16")
 _bf16 = None   # ml_dtypes' bfloat16 as a numpy dtype, once ml_dtypes is imported
 
 
@@ -99,7 +98,7 @@ def __getattr__(name):
     if name == "BFLOAT16":
         return bfloat16()
     if name == "SUPPORTED_DTYPES":
-        return tuple(bfloat16() if n == "bfloat16" else np.dtype(n) for n in DTYPE_NAMES)
+        return tuple(as_dtype(n) for n in DTYPE_NAMES)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

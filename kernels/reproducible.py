@@ -97,7 +97,7 @@ def __getattr__(name):
     if name == "BFLOAT16":
         return host.bfloat16()
     if name in ("FORMATS", "DTYPES"):
-        formats = {host.as_dtype(n): format_of(host.as_dtype(n)) for n in DTYPE_NAMES}
+        formats = {host.as_dtype(n): format_of(n) for n in DTYPE_NAMES}
         return formats if name == "FORMATS" else tuple(formats)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

@@ -22,7 +22,7 @@ import sys
 
 import numpy as np
 
-from ringcomm.kernels.host import DTYPE_NAMES, bfloat16, supported
+from ringcomm.kernels.host import DTYPE_NAMES, as_dtype, supported
 
 
 def host_array(buf, what: str, *, writable: bool) -> np.ndarray:
@@ -126,8 +126,7 @@ def _torch_interface(t, what):
     """torch's interface knows neither bfloat16 nor the wider unsigned types, and names no stream: take it from
     a signed-integer view of the same width, and name torch's current stream."""
     import torch
-    dtype = next((bfloat16() if n == "bfloat16" else np.dtype(n) for n in DTYPE_NAMES
-                  if getattr(torch, n, None) == t.dtype), None)
+    dtype = next((as_dtype(n) for n in DTYPE_NAMES if getattr(torch, n, None) == t.dtype), None)
     if dtype is None:
         raise TypeError(f"{what} has dtype {t.dtype}, which ringcomm does not reduce")
     t = t.detach()

@@ -47,10 +47,8 @@ def check(collective: str, dtype, op, world_size: int) -> kernels.Format:
     try:
         fmt = kernels.format_of(dtype)
     except TypeError:
-        fmt = None
-    if fmt is None:
         names = ", ".join(kernels.DTYPE_NAMES)
-        raise ValueError(f"{collective}: reproducible=True needs a float dtype ({names}), got {dtype}")
+        raise ValueError(f"{collective}: reproducible=True needs a float dtype ({names}), got {dtype}") from None
     if world_size > kernels.MAX_WORLD:
         raise ValueError(f"{collective}: reproducible=True supports up to {kernels.MAX_WORLD} ranks "
                          f"(the integer limbs' headroom), this world has {world_size}")

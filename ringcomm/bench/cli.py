@@ -201,24 +201,20 @@ def _main(a, argv) -> int:
     progress = machine.Progress(len(a.sizes) * 2 * (len(a.algos) + len(a.peer)) * a.runs,
                                 enabled=not a.no_progress)
     memcpy = machine.memcpy_gbps()
-    if a.reproducible:
-        try:
-            mine = run_job("ringcomm", a, a.algos, progress)
-        except JobFailed as e:
-            progress.close()
-            print(f"ringcomm-bench: error: ringcomm's sweep failed: {e}", file=sys.stderr)
-            return 1
-        progress.close()
-        lines, ok = reproducible.table(a, mine["rows"], (_load(facts["loadavg_at_start"]), _load(os.getloadavg())))
-        print("\n".join(lines), flush=True)
-        return 0 if ok else 1
     try:
-        mine, peers, skipped = _sweeps(a, progress)
+        if a.reproducible:
+            mine = run_job("ringcomm", a, a.algos, progress)
+        else:
+            mine, peers, skipped = _sweeps(a, progress)
     except JobFailed as e:
         progress.close()
         print(f"ringcomm-bench: error: ringcomm's sweep failed: {e}", file=sys.stderr)
         return 1
     progress.close()
+    if a.reproducible:
+        lines, ok = reproducible.table(a, mine["rows"], (_load(facts["loadavg_at_start"]), _load(os.getloadavg())))
+        print("\n".join(lines), flush=True)
+        return 0 if ok else 1
     lines = _table(a, mine, peers, skipped, memcpy, facts)
     if a.runs > 1:
         lines += runs.spread_lines(a.runs, mine["rows"], peers)

@@ -13,6 +13,8 @@ import re
 
 import numpy as np
 
+from ringcomm.kernels import host
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "reduce", "sendrecv", "all_to_all",
                "gather", "scatter")
 REDUCING = {"all_reduce", "reduce_scatter", "reduce"}
@@ -67,11 +69,7 @@ def dtype_name(text: str) -> str:
 
 def numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype for nccl-tests' (or numpy's) dtype name."""
-    np_name = DTYPES[dtype_name(name)]
-    if np_name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(np_name)
+    return host.as_dtype(DTYPES[dtype_name(name)])
 
 
 def counts(collective: str, size: int, itemsize: int, n: int) -> tuple[int, int, int, int]:
