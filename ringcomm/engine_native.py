@@ -52,11 +52,12 @@ FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
 # Connection table columns: the segment's header words, its first slot, this end's counter; then,
 # for a send end (see _to_slot): what its slot copies cost with streaming and with ordinary stores
 # (cycles per KiB, running averages; 0: not measured yet), the way it stores now (PLAIN: 1 for
-# ordinary stores; decided from the costs outside trials and held through one, while the trial's
-# samples move them), when it last tried the other way (cycle counter), the slices left in
-# that trial, and how many trials it has begun.
-WORDS, SLOTS, COUNT, STREAM_COST, PLAIN_COST, PLAIN, TRIED, TRIAL, TRIALS = range(9)
-CONN_COLUMNS = 9
+# ordinary stores, the way a new connection starts; decided from the costs outside trials and held
+# through one, while the trial's samples move them), when it last tried the other way (cycle
+# counter), the slices left in that trial, how many trials it has begun, and how many slices it
+# has stored the usual way (counted up to FIRST_TRIAL_AFTER).
+WORDS, SLOTS, COUNT, STREAM_COST, PLAIN_COST, PLAIN, TRIED, TRIAL, TRIALS, USUAL = range(10)
+CONN_COLUMNS = 10
 # From this many bytes a copy into a slot may stream (non-temporal stores, see _to_slot); below it
 # a slice is a few lines whose ordinary stores cost less than the fence that streaming needs.
 STREAM_MIN = 4096
@@ -64,8 +65,9 @@ STREAM_MIN = 4096
 # (auto), or always one way.
 STORES_AUTO, STORES_STREAM, STORES_PLAIN = range(3)
 STORE_MODES = {"auto": STORES_AUTO, "stream": STORES_STREAM, "plain": STORES_PLAIN}
-EXPLORE_S = 0.025   # auto: the way not taken is tried again after this long,
-EARLY_TRIALS = 5    # the first trials sooner (after 1/32, 1/16, ... of it: a short run settles too),
+EXPLORE_S = 0.025   # auto: the way not taken is tried again after this long (see _trial_wait),
+EARLY_TRIALS = 5    # while streaming, the first trials sooner (after 1/32, 1/16, ... of it),
+TRIAL_BACKOFF = 4   # while storing plainly, each trial doubles the wait, up to 2**this times it,
 TRIAL_MEASURED = 4  # each for a round of the slots (their lines settle where that way puts them), then this many slices
 PLAIN_FACTOR = 1.5  # auto: ordinary stores unless they cost the sender this many times streaming
 TRIAL_ABORT = 8     # auto: a trial stops at a first copy this many times dearer than the usual way
@@ -203,15 +205,18 @@ def _to_slot(conns, c, ctl, dst, src):
     the peer then reads the slice from there, not from memory. The sender's own copy tells the
     two apart: ordinary stores cost it ~70 cycles per KiB near and ~900 far, streaming ~90-180
     either way. So each send end keeps a running average of both (cycles per KiB), stores the
-    cheaper way (ordinary ones unless they cost PLAIN_FACTOR times more), and every EXPLORE_S
-    tries the other way for a round of the slots plus TRIAL_MEASURED slices: only those last ones
-    count, since the first copy after the other way finds the lines where that way left them
-    (after streaming, in memory: 235-290 cycles per KiB near). A trial's figure is the mean of
-    those slices alone, and the first trials come sooner (EARLY_TRIALS): when each trial was
-    blended into the last one's, every 100 ms, a first trial taken cold (1087 cycles per KiB for
-    ordinary stores near, against ~60 settled) kept a 2-rank 256 KiB broadcast streaming at
-    18-20 us a call for the first second, where ordinary stores take 10; a benchmark's row, or a
-    short job, lasts milliseconds. A trial copy that costs TRIAL_ABORT times the usual way ends
+    cheaper way (ordinary ones unless they cost PLAIN_FACTOR times more), and now and then
+    (_trial_wait) tries the other way for a round of the slots plus TRIAL_MEASURED slices: only
+    those last ones count, since the first copy after the other way finds the lines where that
+    way left them (after streaming, in memory: 235-290 cycles per KiB near). A trial's figure is
+    the mean of those slices alone. A new end stores plainly, and first tries streaming once its
+    own figure has settled over as many slices: a figure taken cold is wrong for a while (1087
+    cycles per KiB for ordinary stores near, against ~60 settled), and when a cold first trial
+    decided, a 2-rank 256 KiB broadcast streamed at 18-20 us a call where ordinary stores take
+    10. (New ends used to start streaming, with early trials to correct it; those trials, one
+    every few ms, cost the first rows of a sweep: 2-rank all_reduce 64 KiB 16.7 against 11.5 us
+    with ordinary stores forced.) Far apart, a new end pays for that start once: 12 slices of
+    ordinary stores at ~900 cycles per KiB, ~1 ms at 256 KiB slices. A trial copy that costs TRIAL_ABORT times the usual way ends
     the trial at once: far apart, a whole trial of ordinary stores cost ~1.5 ms, and showed as a
     4x slower 256 KiB row. The caller fences before it publishes the slot either way (streaming
     stores are not kept in order by x86's TSO)."""
@@ -247,11 +252,31 @@ def _to_slot(conns, c, ctl, dst, src):
         conns[c, col] = cost if conns[c, col] == 0 else (3 * conns[c, col] + cost) // 4
     if trial == 1 or (trial == 0 and conns[c, STREAM_COST] and conns[c, PLAIN_COST]):
         conns[c, PLAIN] = conns[c, PLAIN_COST] < PLAIN_FACTOR * conns[c, STREAM_COST]
-    wait = ctl[EXPLORE] >> max(0, EARLY_TRIALS - conns[c, TRIALS])
-    if trial == 0 and (t0 - conns[c, TRIED] > wait or conns[c, STREAM_COST] == 0 or conns[c, PLAIN_COST] == 0):
-        conns[c, TRIED] = t0                      # time (or first time) to try the other way
-        conns[c, TRIAL] = ctl[NSLOTS] + TRIAL_MEASURED
-        conns[c, TRIALS] += 1
+    if trial == 0 and conns[c, USUAL] < ctl[NSLOTS] + TRIAL_MEASURED:
+        conns[c, USUAL] += 1                      # the usual way's figure is still settling
+    elif trial == 0:
+        unmeasured = conns[c, STREAM_COST] == 0 or conns[c, PLAIN_COST] == 0
+        if unmeasured or t0 - conns[c, TRIED] > _trial_wait(ctl[EXPLORE], conns[c, TRIALS], conns[c, PLAIN]):
+            conns[c, TRIED] = t0                  # time (or first time) to try the other way
+            conns[c, TRIAL] = ctl[NSLOTS] + TRIAL_MEASURED
+            conns[c, TRIALS] += 1
+
+
+def _trial_wait(explore, trials, plain):
+    """Cycles between a send end's trials of the way it does not store (see _to_slot).
+
+    Storing plainly, the end times its ordinary stores on every slice, so a move that makes them
+    dear (the cores pulled apart) shows at once and switches it to streaming without a trial; the
+    trials only refresh streaming's figure, and each doubles the wait, up to TRIAL_BACKOFF times.
+    Streaming, ordinary stores' figure goes stale and only a trial finds that they won again:
+    every EXPLORE_S, the first EARLY_TRIALS sooner, so a short job that started apart settles too.
+    Measured with trials every EXPLORE_S while plain (2 ranks near, 500 calls, ordinary stores
+    forced against auto): all_reduce 1 MiB 151 against 159-164 us out of place, 130 against
+    137-139 in place: each trial streams a round of the slots, which the peer then reads from memory.
+    """
+    if plain:
+        return explore << min(trials, TRIAL_BACKOFF)
+    return explore >> max(0, EARLY_TRIALS - trials)
 
 
 def _stream(dst, src):
@@ -311,7 +336,8 @@ def kernel(dtype=None):
             native_reduce, native_avg = native_kernels.compiled()
             jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
             g = globals()
-            for name in ("_wait_above", "_slot", "_stop", "_copy", "_stream", "_to_slot", "_move", "_peer_sleeps"):
+            for name in ("_wait_above", "_slot", "_stop", "_copy", "_stream", "_trial_wait", "_to_slot", "_move",
+                         "_peer_sleeps"):
                 g[name] = jit(g[name])
             _helpers_made = True
         if dtype is None:
@@ -415,6 +441,7 @@ class NativeEngine:
                 self.conns = np.concatenate([self.conns, np.zeros_like(self.conns)])
             self.conns[row, WORDS], self.conns[row, SLOTS] = conn.addresses()
             self.conns[row, COUNT] = conn.count
+            self.conns[row, PLAIN] = 1   # auto stores start plainly (see _to_slot)
         return row
 
     def release(self) -> None:

@@ -217,6 +217,42 @@ def test_slot_stores_every_way_give_the_reference_bits(stores):
             assert measured == [], costs           # a fixed way measures nothing
 
 
+def _send_ends_after(comm, calls):
+    """(PLAIN, TRIALS, USUAL, STREAM_COST > 0, PLAIN_COST > 0) of each send end after ``calls``
+    more 256 KiB all_reduces (one full slice a send each)."""
+    from ringcomm import engine_native as en
+    x = np.ones(64 << 10, np.float32)
+    for _ in range(calls):
+        comm.all_reduce(x)
+    eng = comm._executor.native
+    return [(int(eng.conns[i, en.PLAIN]), int(eng.conns[i, en.TRIALS]), int(eng.conns[i, en.USUAL]),
+             bool(eng.conns[i, en.STREAM_COST]), bool(eng.conns[i, en.PLAIN_COST]))
+            for i, conn in enumerate(eng.objs) if type(conn).__name__ == "ShmSend"]
+
+
+def test_auto_stores_start_plainly_and_first_try_streaming_once_settled():
+    from ringcomm import engine_native as en
+    settle = 8 + en.TRIAL_MEASURED          # a round of the 8 slots, then the measured slices
+    env = {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_CMA": "0", "RINGCOMM_SLOT_STORES": "auto",
+           "RINGCOMM_NSLOTS": "8"}
+    with World(2, env, timeout=120) as w:
+        early = w.run(_send_ends_after, 5)
+        later = w.run(_send_ends_after, settle)
+    for ends in early:   # 10 slices a send end so far (2-rank ring: 2 sends a call): no trial yet
+        assert ends == [(1, 0, 10, False, True)], ends
+    for ends in later:   # 12 usual slices, then the first trial of streaming began
+        assert [(trials, usual, stream) for _, trials, usual, stream, _ in ends] == [(1, settle, True)], ends
+
+
+def test_trial_wait_backs_off_while_plain_and_comes_sooner_while_streaming():
+    from ringcomm import engine_native as en
+    explore = 1 << 20
+    assert [en._trial_wait(explore, t, 1) for t in range(7)] == [explore << min(t, en.TRIAL_BACKOFF) for t in range(7)]
+    assert [en._trial_wait(explore, t, 0) for t in range(7)] == [explore >> max(0, en.EARLY_TRIALS - t)
+                                                                for t in range(7)]
+    assert en._trial_wait(explore, 99, 1) == explore << en.TRIAL_BACKOFF and en._trial_wait(explore, 99, 0) == explore
+
+
 def test_slot_stores_knob_is_checked(monkeypatch):
     from ringcomm import engine_native as en
     for name, mode in en.STORE_MODES.items():
