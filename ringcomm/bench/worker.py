@@ -123,7 +123,15 @@ def check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked) -> in
     return verify.count_wrong(got, exp)
 
 
-def measure(be, cfg, tables, bufs, coll, size, in_place) -> dict:
+# A job's first row warms up this long at least, in every library: the ranks have just started, and
+# the first milliseconds of a job are not its steady state (a library's adaptive choices, the
+# scheduler's placement of the ranks). 5 warm-up calls then 20 timed ones of a 2-rank 64 KiB
+# all_reduce: 16.7-18.4 us a call in the first row against 10-12 later; 4 ranks, 64 KiB broadcast:
+# 48-51 against 29-33 with 100 warm-up calls.
+FIRST_ROW_WARM_S = 0.05
+
+
+def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
     n, r, root, op = be.world_size, be.rank, cfg["root"], cfg["op"]
     send_buf, recv_buf, exp_buf = bufs
     count, send_n, recv_n, row_bytes = spec.counts(coll, size, send_buf.itemsize, n)
@@ -134,11 +142,12 @@ def measure(be, cfg, tables, bufs, coll, size, in_place) -> dict:
     fill_input(inp, tables)
     be.upload(inp)
     fn, result = be.call(coll, inp, out, op, root, in_place)
-    warming, t0 = cfg.get("warm_s", 0.0), time.perf_counter()
+    warming, t0 = max(cfg.get("warm_s", 0.0), warm_s), time.perf_counter()
     for _ in range(cfg["warmup"]):
         fn()
-    # After a wait at the gate (--alternate) the cores have idled, and a VM's idle vCPUs are halted:
-    # warm up for warm_s seconds at least (every rank takes the slowest rank's time, so all agree).
+    # After a wait at the gate (--alternate) the cores have idled, and a VM's idle vCPUs are halted;
+    # a job's first row follows its start: warm up for that long at least (every rank takes the
+    # slowest rank's time, so all agree).
     while warming and be.gather_f64([time.perf_counter() - t0]).max() < warming:
         for _ in range(max(1, cfg["warmup"])):
             fn()
@@ -182,6 +191,7 @@ def run(be, cfg) -> None:
     # first row took 2-10 ms (4 ranks on 2 cores, 64 KiB all_reduce).
     be.gather_f64([0.0, 0.0])
     be.barrier()
+    first_warm_s = FIRST_ROW_WARM_S
     for algo in cfg["algos"]:
         if be.name == "ringcomm":
             be.algo = algo
@@ -193,7 +203,8 @@ def run(be, cfg) -> None:
                 continue
             for in_place in (False, True):
                 gate(cfg, be.rank)
-                row = measure(be, cfg, tables, bufs, coll, size, in_place)
+                row = measure(be, cfg, tables, bufs, coll, size, in_place, first_warm_s)
+                first_warm_s = 0.0
                 if be.rank == 0:
                     emit({"event": "row", "algo": algo, "index": i, **row})
 
