@@ -55,7 +55,7 @@ FIRST_ROUND_S, STACKED_ROUND_S = 50e-6, 5e-6
 # ordinary stores, the way a new connection starts; decided from the costs outside trials and held
 # through one, while the trial's samples move them), when it last tried the other way (cycle
 # counter), the slices left in that trial, how many trials it has begun, and how many slices it
-# has stored the usual way (counted up to FIRST_TRIAL_AFTER).
+# has stored the usual way (counted up to a round of the slots plus TRIAL_MEASURED: _to_slot).
 WORDS, SLOTS, COUNT, STREAM_COST, PLAIN_COST, PLAIN, TRIED, TRIAL, TRIALS, USUAL = range(10)
 CONN_COLUMNS = 10
 # From this many bytes a copy into a slot may stream (non-temporal stores, see _to_slot); below it
@@ -216,9 +216,9 @@ def _to_slot(conns, c, ctl, dst, src):
     10. (New ends used to start streaming, with early trials to correct it; those trials, one
     every few ms, cost the first rows of a sweep: 2-rank all_reduce 64 KiB 16.7 against 11.5 us
     with ordinary stores forced.) Far apart, a new end pays for that start once: 12 slices of
-    ordinary stores at ~900 cycles per KiB, ~1 ms at 256 KiB slices. A trial copy that costs TRIAL_ABORT times the usual way ends
-    the trial at once: far apart, a whole trial of ordinary stores cost ~1.5 ms, and showed as a
-    4x slower 256 KiB row. The caller fences before it publishes the slot either way (streaming
+    ordinary stores at ~900 cycles per KiB, ~1 ms at 256 KiB slices. A trial copy that costs
+    TRIAL_ABORT times the usual way ends the trial at once: far apart, a whole trial of ordinary
+    stores cost ~1.5 ms, and showed as a 4x slower 256 KiB row. The caller fences before it publishes the slot either way (streaming
     stores are not kept in order by x86's TSO)."""
     nbytes = dst.size * dst.itemsize
     mode = ctl[STORES]

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -332,6 +333,43 @@ def test_registered_buffers_run_the_read_algorithm_and_check_out():
     assert "# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); peers' plain numpy" in out
     rows = _rows(out)
     assert len(rows) == 6 and all(r[8] == "0" and r[12] == "0" for r in rows), out
+
+
+class _CountingBackend:
+    """One rank that counts its calls and times nothing but what measure() asks of it."""
+    world_size, rank, name = 1, 0, "fake"
+
+    def __init__(self):
+        self.calls = 0
+
+    def upload(self, arr):
+        pass
+
+    def call(self, coll, inp, out, op, root, in_place):
+        def fn():
+            self.calls += 1
+        return fn, out
+
+    def sync(self):
+        pass
+
+    def barrier(self):
+        pass
+
+    def gather_f64(self, values):
+        return np.asarray([values], np.float64)
+
+
+def test_a_first_row_warms_up_for_its_time_and_later_rows_for_their_calls():
+    cfg = {"root": 0, "op": "sum", "warmup": 2, "iters": 3, "check": False}
+    bufs = (np.zeros(64, np.float32),) * 3
+    tables = {"input": verify.input_table(np.dtype(np.float32), "sum", 1, 0)}
+    later, first = _CountingBackend(), _CountingBackend()
+    worker.measure(later, cfg, tables, bufs, "all_reduce", 256, False)
+    assert later.calls == 2 + 3                      # nccl-tests' warm-up calls, then the timed ones
+    t0 = time.perf_counter()
+    worker.measure(first, cfg, tables, bufs, "all_reduce", 256, False, warm_s=0.02)
+    assert time.perf_counter() - t0 >= 0.02 and first.calls > 2 + 3 + 2   # calls until 20 ms had passed
 
 
 def test_all_to_all_has_no_in_place_row():

@@ -127,7 +127,7 @@ def check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked) -> in
 # the first milliseconds of a job are not its steady state (a library's adaptive choices, the
 # scheduler's placement of the ranks). 5 warm-up calls then 20 timed ones of a 2-rank 64 KiB
 # all_reduce: 16.7-18.4 us a call in the first row against 10-12 later; 4 ranks, 64 KiB broadcast:
-# 48-51 against 29-33 with 100 warm-up calls.
+# 48-51 against 29-33 with 100 warm-up calls. (--warmup 0 asks for none: then none.)
 FIRST_ROW_WARM_S = 0.05
 
 
@@ -191,7 +191,7 @@ def run(be, cfg) -> None:
     # first row took 2-10 ms (4 ranks on 2 cores, 64 KiB all_reduce).
     be.gather_f64([0.0, 0.0])
     be.barrier()
-    first_warm_s = FIRST_ROW_WARM_S
+    first_warm_s = FIRST_ROW_WARM_S if cfg["warmup"] else 0.0
     for algo in cfg["algos"]:
         if be.name == "ringcomm":
             be.algo = algo
