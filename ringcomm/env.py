@@ -28,8 +28,10 @@ def env_switch(name: str) -> bool:
 
 
 def oversubscribed(world_size: int) -> bool:
-    """Whether this host's ranks (LOCAL_WORLD_SIZE, else ``world_size``) outnumber the cores this
-    process may use: then ranks share cores and preempt each other (assemble.spins,
+    """Whether this host's ranks (LOCAL_WORLD_SIZE, else ``world_size``) outnumber the cores they
+    share (RINGCOMM_HOST_CPUS, which `ringcomm-run --bind core` sets, else the cores this process
+    may use): then ranks share cores and preempt each other (assemble.spins,
     engine_native.slot_stores)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    return local > len(os.sched_getaffinity(0))
+    cpus = int(os.environ.get("RINGCOMM_HOST_CPUS") or 0) or len(os.sched_getaffinity(0))
+    return local > cpus

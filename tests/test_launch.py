@@ -84,6 +84,30 @@ def test_environment_single_node(tmp_path):
         assert len({e[key] for e in envs.values()}) == 1
 
 
+BIND_SCRIPT = """
+    import json, os
+    from ringcomm.env import oversubscribed
+    print(json.dumps({"cpus": sorted(os.sched_getaffinity(0)), "host_cpus": os.environ.get("RINGCOMM_HOST_CPUS"),
+                      "oversubscribed": oversubscribed(int(os.environ["WORLD_SIZE"]))}))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_bind_core_deals_the_usable_cpus_out_in_rank_order(tmp_path):
+    usable = sorted(os.sched_getaffinity(0))
+    script = write_script(tmp_path, BIND_SCRIPT)
+    r = run(["-n", 3, "--bind", "core", script])
+    assert r.returncode == 0, r.stderr
+    got = rank_json(r.stdout)
+    assert {rank: g["cpus"] for rank, g in got.items()} == {i: [usable[i % len(usable)]] for i in range(3)}
+    # Each rank sees one CPU, yet the oversubscription rules count the CPUs the ranks share.
+    assert all(g["host_cpus"] == str(len(usable)) and g["oversubscribed"] == (3 > len(usable))
+               for g in got.values())
+    r = run(["-n", 3, script])              # the default: no binding, no RINGCOMM_HOST_CPUS
+    assert r.returncode == 0, r.stderr
+    assert all(g["cpus"] == usable and g["host_cpus"] is None for g in rank_json(r.stdout).values())
+
+
 @pytest.mark.timeout(60)
 def test_environment_second_node(tmp_path):
     env = clean_env(RINGCOMM_TOKEN="sharedsecret", RINGCOMM_JOB_ID="job7")
@@ -312,6 +336,7 @@ def test_default_grace_follows_ringcomm_timeout(monkeypatch):
     ["-n", "0", "x.py"],
     ["--nnodes", "2", "--node-rank", "2", "x.py"],
     ["--grace", "-1", "x.py"],
+    ["--bind", "socket", "x.py"],
     [],
 ])
 def test_bad_command_lines(argv):
