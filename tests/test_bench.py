@@ -335,6 +335,20 @@ def test_registered_buffers_run_the_read_algorithm_and_check_out():
     assert len(rows) == 6 and all(r[8] == "0" and r[12] == "0" for r in rows), out
 
 
+@pytest.mark.parametrize("env", [{"LOCAL_RANK": "1"}, {"MPI_LOCALRANKID": "1", "PMI_RANK": "1"}])
+def test_bind_puts_a_rank_of_any_library_on_its_cpu(env):
+    """--bind: a worker binds itself by its local rank, torchrun's or MPICH's hydra's (in a child
+    process, so this one keeps its CPUs)."""
+    usable = sorted(os.sched_getaffinity(0))
+    code = ("import json, os; from ringcomm.bench import worker; worker.bind({'bind': True}); "
+            "print(json.dumps([sorted(os.sched_getaffinity(0)), os.environ['RINGCOMM_HOST_CPUS']]))")
+    clean = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "MPI_LOCALRANKID", "PMI_RANK")}
+    out = subprocess.run([sys.executable, "-c", code], env=dict(clean, **env), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == [[usable[1 % len(usable)]], str(len(usable))]
+
+
 class _CountingBackend:
     """One rank that counts its calls and times nothing but what measure() asks of it."""
     world_size, rank, name = 1, 0, "fake"

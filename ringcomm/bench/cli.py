@@ -1,7 +1,7 @@
 """`ringcomm-bench`: nccl-tests' all_reduce_perf and friends for ringcomm, with peers side by side.
 
     ringcomm-bench COLLECTIVE -n RANKS -b MIN -e MAX -f FACTOR -d DTYPE -o OP -r ROOT --iters N
-                   --warmup W --check [--algo A] [--transport T] [--engine python|native] [--registered]
+                   --warmup W --check [--algo A] [--transport T] [--engine python|native] [--registered] [--bind]
                    [--json FILE] [--plot FILE.png] [--peer gloo|mpi|nccl]... [--alternate] [--runs N]
                    [--reproducible]
 
@@ -55,6 +55,9 @@ def parse_args(argv):
     p.add_argument("--registered", action="store_true",
                    help="ringcomm's buffers from comm.alloc (peers map them: one-copy 'read' algorithms); "
                         "peers keep plain buffers")
+    p.add_argument("--bind", action="store_true",
+                   help="every library's rank i runs on usable CPU i mod their number, as "
+                        "ringcomm-run --bind core places ranks (default: the scheduler places them)")
     p.add_argument("--peer", action="append", default=[], choices=PEERS, help="also run this library")
     p.add_argument("--json", metavar="FILE", help="write every figure, versions and machine facts")
     p.add_argument("--plot", metavar="FILE.png", help="busbw against size, with the memcpy ceiling")
@@ -159,6 +162,8 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
     if a.registered:
         lines.append("# Buffers: ringcomm's from comm.alloc (registered: peers read them directly); "
                      "peers' plain numpy")
+    if a.bind:
+        lines.append("# Binding: every library's rank i on usable CPU i mod their number (--bind)")
     for name, run in peers.items():
         lines.append(f"# Peer {name}: {run['facts'].get('library', '?')}")
     for name, why in skipped.items():
@@ -290,7 +295,7 @@ def _write_json(a, argv, facts, memcpy, mine, peers, skipped, rows):
            "config": {k: getattr(a, k) for k in ("collective", "ranks", "minbytes", "maxbytes", "stepfactor",
                                                   "datatype", "op", "root", "iters", "warmup", "check",
                                                   "algos", "transport", "engine", "registered", "sizes",
-                                                  "runs")},
+                                                  "runs", "bind")},
            "machine": facts, "memcpy_gbps": memcpy, "ringcomm": mine, "peers": peers, "skipped": skipped,
            "summary": {"out_of_bounds": report.out_of_bounds(rows), "avg_busbw": report.avg_busbw(rows)}}
     with open(a.json, "w") as f:

@@ -209,11 +209,25 @@ def run(be, cfg) -> None:
                     emit({"event": "row", "algo": algo, "index": i, **row})
 
 
+def bind(cfg) -> None:
+    """--bind: this rank on usable CPU (local rank) mod their number, whichever library it runs
+    (ringcomm-run --bind core's rule); RINGCOMM_HOST_CPUS keeps ringcomm's oversubscription rules
+    counting the CPUs the ranks share. The local rank is torchrun's, or MPICH's hydra's."""
+    if not cfg.get("bind"):
+        return
+    from ringcomm.launch import usable_cpus
+    cpus = usable_cpus()
+    local = int(os.environ.get("LOCAL_RANK") or os.environ.get("MPI_LOCALRANKID") or os.environ.get("PMI_RANK") or 0)
+    os.environ["RINGCOMM_HOST_CPUS"] = str(len(cpus))
+    os.sched_setaffinity(0, {cpus[local % len(cpus)]})
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     name, cfg = argv[0], json.loads(argv[1])
     be = None
     try:
+        bind(cfg)
         be = make_backend(name, None)
         if be.rank == 0:
             emit({"event": "start", "facts": {**python_facts(), **be.facts()}, "world_size": be.world_size})
