@@ -218,8 +218,8 @@ def _to_slot(conns, c, ctl, dst, src):
     with ordinary stores forced.) Far apart, a new end pays for that start once: 12 slices of
     ordinary stores at ~900 cycles per KiB, ~1 ms at 256 KiB slices. A trial copy that costs
     TRIAL_ABORT times the usual way ends the trial at once: far apart, a whole trial of ordinary
-    stores cost ~1.5 ms, and showed as a 4x slower 256 KiB row. The caller fences before it publishes the slot either way (streaming
-    stores are not kept in order by x86's TSO)."""
+    stores cost ~1.5 ms, and showed as a 4x slower 256 KiB row. The caller fences before it
+    publishes the slot either way (streaming stores are not kept in order by x86's TSO)."""
     nbytes = dst.size * dst.itemsize
     mode = ctl[STORES]
     if nbytes < STREAM_MIN or mode == STORES_PLAIN:
@@ -252,14 +252,16 @@ def _to_slot(conns, c, ctl, dst, src):
         conns[c, col] = cost if conns[c, col] == 0 else (3 * conns[c, col] + cost) // 4
     if trial == 1 or (trial == 0 and conns[c, STREAM_COST] and conns[c, PLAIN_COST]):
         conns[c, PLAIN] = conns[c, PLAIN_COST] < PLAIN_FACTOR * conns[c, STREAM_COST]
-    if trial == 0 and conns[c, USUAL] < ctl[NSLOTS] + TRIAL_MEASURED:
+    if trial != 0:
+        return
+    if conns[c, USUAL] < ctl[NSLOTS] + TRIAL_MEASURED:
         conns[c, USUAL] += 1                      # the usual way's figure is still settling
-    elif trial == 0:
-        unmeasured = conns[c, STREAM_COST] == 0 or conns[c, PLAIN_COST] == 0
-        if unmeasured or t0 - conns[c, TRIED] > _trial_wait(ctl[EXPLORE], conns[c, TRIALS], conns[c, PLAIN]):
-            conns[c, TRIED] = t0                  # time (or first time) to try the other way
-            conns[c, TRIAL] = ctl[NSLOTS] + TRIAL_MEASURED
-            conns[c, TRIALS] += 1
+        return
+    unmeasured = conns[c, STREAM_COST] == 0 or conns[c, PLAIN_COST] == 0
+    if unmeasured or t0 - conns[c, TRIED] > _trial_wait(ctl[EXPLORE], conns[c, TRIALS], conns[c, PLAIN]):
+        conns[c, TRIED] = t0                      # time (or first time) to try the other way
+        conns[c, TRIAL] = ctl[NSLOTS] + TRIAL_MEASURED
+        conns[c, TRIALS] += 1
 
 
 def _trial_wait(explore, trials, plain):

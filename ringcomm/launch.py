@@ -82,9 +82,19 @@ def free_port(addr: str) -> int:
         return s.getsockname()[1]
 
 
+HOST_CPUS_ENV = "RINGCOMM_HOST_CPUS"   # what bound ranks share; env.oversubscribed counts it
+
+
 def usable_cpus() -> list:
     """The CPUs this launcher may use, in order: what --bind core deals out."""
     return sorted(os.sched_getaffinity(0))
+
+
+def core_for(local_rank: int) -> int:
+    """--bind core's rule: the usable CPU for ``local_rank``, modulo their number (the bench's
+    --bind binds every library's ranks by it too)."""
+    cpus = usable_cpus()
+    return cpus[local_rank % len(cpus)]
 
 
 def bind_cpu(a, local_rank: int):
@@ -95,10 +105,7 @@ def bind_cpu(a, local_rank: int):
     loops, 1 MiB all_reduce 455-600 us, 256 KiB all_gather 116-182, 64 KiB broadcast 18-56; bound
     (rank i on CPU i mod cores: ring neighbours on different cores) 468-483, 117-120 and 22-23,
     launch after launch. (MPICH's ranks bound alike gained nothing; README "The launcher".)"""
-    if a.bind != "core":
-        return None
-    cpus = usable_cpus()
-    return cpus[local_rank % len(cpus)]
+    return core_for(local_rank) if a.bind == "core" else None
 
 
 def job_environment(a) -> dict:
@@ -130,7 +137,7 @@ def job_environment(a) -> dict:
         "RINGCOMM_JOB_ID": job_id,
         "PYTHONUNBUFFERED": "1",  # so a rank's lines reach us (and the terminal) as it prints them
         # Bound to one CPU each, the ranks still share these: the oversubscription rules count them.
-        **({"RINGCOMM_HOST_CPUS": str(len(usable_cpus()))} if a.bind == "core" else {}),
+        **({HOST_CPUS_ENV: str(len(usable_cpus()))} if a.bind == "core" else {}),
     }
 
 

@@ -12,7 +12,7 @@ def job_config(backend, a, algos) -> dict:
             "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
             "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
             "registered": a.registered and backend == "ringcomm",
-            "engine": a.engine, "reproducible": a.reproducible, "bind": getattr(a, "bind", False)}
+            "engine": a.engine, "reproducible": a.reproducible, "bind": a.bind}
 
 
 class Sweep:
