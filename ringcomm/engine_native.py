@@ -379,6 +379,34 @@ class NativePlan:
         self.ctls: dict = {}
 
 
+class Lane:
+    """The shortest way into the loop, for a call repeated on the same arrays (known_calls.py).
+
+    A known call's checks, algorithm, schedule and plan are settled; what is left of the way in
+    (the executor's plan look-up, run()'s control block look-up and preparations) is found once
+    and held here. start(call) runs the call in the loop: True, it finished; False, it stopped at a wait
+    and run() does the rest (go_on: the same waits, the same errors); None, not begun, because
+    run()'s preparations are due (the reference engine held the counters, a send link has not
+    settled its stores): the executor runs it whole. comm._run_known is the caller."""
+
+    __slots__ = ("engine", "plan", "table", "ctl", "loop", "nsteps")
+
+    def __init__(self, engine: NativeEngine, plan: NativePlan, ctl, loop, nsteps: int):
+        self.engine, self.plan, self.table, self.ctl, self.loop = engine, plan, plan.table, ctl, loop
+        self.nsteps = nsteps
+
+    def start(self, call) -> bool | None:
+        e = self.engine
+        if not e.owned or self.plan.unsettled:
+            return None
+        return self.loop(self.table, e.conns, self.ctl, call.inp, call.out, 0,
+                         e.short if e.stacked else e.first) == DONE
+
+    def run(self, sched, call) -> None:
+        """The engine interface comm._execute_now calls: the rest of a call start() began."""
+        self.engine.go_on(self.plan, self.ctl, self.loop, call, call.inp, call.out)
+
+
 class NativeEngine:
     """Runs an executor's plans through the compiled loop when every link of the plan is shm.
 
@@ -486,16 +514,20 @@ class NativeEngine:
             plan.unsettled = [c for c in plan.unsettled if not c.settle()]
         if kind16:
             inp, out = inp.view(np.uint16), out.view(np.uint16)
+        if loop(plan.table, self.conns, ctl, inp, out, 0, self.short if self.stacked else self.first) != DONE:
+            self.go_on(plan, ctl, loop, call, inp, out)
+        return True
+
+    def go_on(self, plan: NativePlan, ctl, loop, call, inp, out) -> None:
+        """The rest of a call whose loop returned before its end (ctl says where and why): poll on
+        in rounds while the peer may be about to move, then wait the reference engine's way."""
         spin = self.short if self.stacked else self.first
-        i, rounds, where = 0, 0, -1
-        while loop(plan.table, self.conns, ctl, inp, out, i, spin) != DONE:
+        rounds, where = 0, -1
+        while True:
             status, i = ctl[STATUS], int(ctl[NEXT])
-            if status == YIELD:
-                continue
             if status == WAKE:
                 self._wake(plan.table[ctl[CONN]], plan.maxsrc)
-                continue
-            if status != BAD_SIZE and rounds < self.rounds:
+            elif status != YIELD and status != BAD_SIZE and rounds < self.rounds:
                 if i != where:                  # progress since the last round: a new wait
                     rounds, where = 0, i
                 long_round = spin == self.spin
@@ -504,19 +536,28 @@ class NativeEngine:
                 spin = self.short if self.stacked else self.spin
                 if self.stacked or long_round:  # after a short first round, a free peer: poll on
                     os.sched_yield()
-                continue
-            rounds = 0
-            spin = self.short if self.stacked else self.first
-            entry = plan.entries[i]
-            x = self.x
-            x._step = entry[0]
-            conn = self.objs[ctl[CONN]]
-            conn.count = int(self.conns[ctl[CONN], COUNT])
-            if status == BLOCKED_SEND:
-                x._acquire(conn.peer, conn, call, entry[8])
-            else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
-                x._wait(conn.peer, conn, call, entry[5], entry[8])
-        return True
+            elif status != YIELD:
+                rounds = 0
+                spin = self.short if self.stacked else self.first
+                entry = plan.entries[i]
+                x = self.x
+                x._step = entry[0]
+                conn = self.objs[ctl[CONN]]
+                conn.count = int(self.conns[ctl[CONN], COUNT])
+                if status == BLOCKED_SEND:
+                    x._acquire(conn.peer, conn, call, entry[8])
+                else:  # BLOCKED_RECV, or BAD_SIZE: _wait raises the reference engine's error for it
+                    x._wait(conn.peer, conn, call, entry[5], entry[8])
+            if loop(plan.table, self.conns, ctl, inp, out, i, spin) == DONE:
+                return
+
+    def lane(self, plan: NativePlan, dtype, op, nsteps: int) -> Lane | None:
+        """A known call's lane into this plan's loop (see Lane), where it has one: its control block
+        made by an earlier call, for a dtype the loop takes as it is (not a 16-bit float)."""
+        entry = plan.ctls.get((dtype, op))
+        if not entry or entry[2]:
+            return None
+        return Lane(self, plan, entry[0], entry[1], nsteps)
 
     def _wake(self, row, maxsrc) -> None:
         """Wake the peers of a finished row that sleep on the counters it moved."""

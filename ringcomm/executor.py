@@ -130,6 +130,20 @@ class Executor:
             for entry in plan:
                 self._slice(entry, call, inp, out, fn, in_place)
 
+    def lane(self, sched: Schedule, call: Call):
+        """The compiled lane for calls like ``call`` on this schedule (comm._run_known takes it): the
+        native engine's (engine_native.Lane) or the read engine's (read_engine.ReadLane), once such
+        a call ran there; None where there is none: the reference engine, a plan over links that
+        are not all shm, a read schedule that Python runs, a 16-bit float loop."""
+        if self.native is None or call.m == 0 or call.blocks is not None:
+            return None
+        if sched.registered:
+            return self.registered.engine.lane(self, sched, call) if self.registered is not None else None
+        owner, plan = self._plans.get((id(sched), call.inp.itemsize, call.m, None, True), _NO_PLAN)
+        if owner is not sched or plan is None:
+            return None
+        return self.native.lane(plan, call.inp.dtype, call.op, len(sched.steps))
+
     def _cached_plan(self, sched: Schedule, call: Call, native: bool):
         # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule
         # alive and is checked, so a recycled id can never return another schedule's plan.

@@ -8,7 +8,8 @@ what this module keys and re-checks: the same array objects (held weakly, never 
 the same shape, dtype, layout and writability, the same collective, op, algorithm and root
 arguments (the root with its type: 0.0 == 0, but only an int passed the check). So a repeated
 call checks those few attributes and goes straight to the executor, whose slice plan is cached
-too: no allocation beyond the call's record, no Python per slice.
+too: no allocation beyond the call's record, no Python per slice. From its second repeat on it
+goes further, down its engine's lane (comm._run_known) straight into the compiled code.
 
 Anything else takes the checked path, which also explains every error. Making a registry
 (comm.alloc, or CMA on plain buffers) clears the cache, since it can change the algorithm of a
@@ -30,7 +31,7 @@ class KnownCall:
     """One remembered call: what it was given (weakly) and what the checked path decided."""
 
     __slots__ = ("buf", "out", "shape", "out_shape", "dtype", "out_dtype", "op", "algo", "sched", "addrs",
-                 "__weakref__")
+                 "lane", "__weakref__")
 
     def __init__(self, buf, out, op, algo, sched):
         self.buf = weakref.ref(buf)
@@ -42,6 +43,7 @@ class KnownCall:
         self.shape, self.dtype = buf.shape, buf.dtype
         self.out_shape, self.out_dtype = (None, None) if out is None else (out.shape, out.dtype)
         self.op, self.algo, self.sched = op, algo, sched
+        self.lane = None   # an engine's compiled way in (comm._run_known): None until looked for, False if none
 
 
 class KnownCalls:

@@ -68,6 +68,35 @@ class _Plan:
         self.spans, self.native = step_spans(sched, m), False
 
 
+class ReadLane:
+    """A known call's shortest way into read_native's compiled call (comm._run_known; the FIFO
+    engine's twin is engine_native.Lane): ReadEngine.run's look-ups, done once. start(call) runs
+    the call there: True, it finished; False, it was handed back and run() does the rest; None,
+    not begun (an allocation of this rank's was registered since: ReadEngine.run decides)."""
+
+    __slots__ = ("engine", "ex", "plan", "rows", "nsteps")
+
+    def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int):
+        self.engine, self.ex, self.plan, self.rows, self.nsteps = engine, ex, plan, plan.native, nsteps
+
+    def start(self, call) -> bool | None:
+        e = self.engine
+        if e.reg.mine:
+            return None
+        e.calls += 1
+        ain, aout = call.addrs
+        if e.run_call(self.rows[0], self.rows[1], -1, False, e.reg.ctl.words, e.peer_words, e.calls, e.syncs,
+                      ain, aout, call.inp.nbytes, call.out.nbytes, e.consts, e.iov, e.res) == read_native.DONE:
+            return True
+        e.handed_back += 1
+        return False
+
+    def run(self, sched, call) -> None:
+        """The engine interface comm._execute_now calls: the rest of a call start() handed back."""
+        e = self.engine
+        e.go_on(self.ex, sched, call, self.plan, *call.addrs, int(e.res[0]), bool(e.res[1]))
+
+
 class ReadEngine:
     """One communicator's engine for read steps, over its Registry's mappings."""
 
@@ -105,6 +134,10 @@ class ReadEngine:
             words[DESC:DESC + 6] = (*self._where(call.inp, ain), *self._where(call.out, aout),
                                     call.inp.nbytes, call.out.nbytes)
             self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
+        self.go_on(ex, sched, call, plan, ain, aout, start, arrived)
+
+    def go_on(self, ex, sched, call, plan: _Plan, ain: int, aout: int, start: int, arrived: bool) -> None:
+        """The steps from ``start`` in Python (a call the compiled path did not take, or handed back)."""
         views: dict = {}
         spans = plan.spans
         if not plan.reduces:   # copy-only: no kernel, no errstate
@@ -113,6 +146,16 @@ class ReadEngine:
         with np.errstate(all="ignore"):
             self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout, spans,
                         start, arrived)
+
+    def lane(self, ex, sched, call) -> ReadLane | None:
+        """A known call's lane into the compiled path (see ReadLane), where it has one: a call like
+        this one ran there before."""
+        plan = self.plans.get((id(sched), call.m, call.inp.itemsize))
+        if plan is None or plan.sched is not sched or self.run_call is None or not plan.native:
+            return None
+        if self._compiled(ex, plan, call) is None:
+            return None
+        return ReadLane(self, ex, plan, len(sched.steps))
 
     def _compiled(self, ex, plan: _Plan, call):
         """read_native's plan for this call, where the compiled path applies: the native engine, plain

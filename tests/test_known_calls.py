@@ -3,11 +3,14 @@ the checks, and only when their outcome cannot have changed."""
 from __future__ import annotations
 
 import gc
+import threading
+import time
 import weakref
 
 import numpy as np
 import pytest
 
+import ringcomm
 from harness import World
 
 
@@ -179,3 +182,134 @@ def test_known_calls_by_cma_read_each_arrays_own_memory():
     with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=30) as w:
         for calls in w.run(_cma_calls_on_two_arrays):
             assert calls == 16, calls   # every call took the CMA read path
+
+
+# ---- lanes: a known call goes straight into the engine's compiled code (comm._run_known) ----------
+
+def _count_lane_calls():
+    """Count the lanes' start() and run() calls in this rank (class attributes: the lanes have slots)."""
+    from ringcomm.engine_native import Lane
+    from ringcomm.read_engine import ReadLane
+    counts = {"start": 0, "run": 0}
+    for cls in (Lane, ReadLane):
+        for name in ("start", "run"):
+            real = getattr(cls, "_real_" + name, None) or getattr(cls, name)
+            setattr(cls, "_real_" + name, real)
+
+            def counted(self, *args, _real=real, _name=name):
+                counts[_name] += 1
+                return _real(self, *args)
+            setattr(cls, name, counted)
+    return counts
+
+
+def _down_the_lanes(comm, cma: bool):
+    """Repeated calls on the same arrays: a call is remembered (known_calls.py), the next known call
+    finds its lane, and the calls after it take the lane, with right results; the watchdog's
+    position (the executor's current call) is every call's own. Three rounds before counting: the
+    first makes the registry (CMA's probe), which forgets the calls remembered before it."""
+    r, n = comm.rank, comm.world_size
+    small, out = np.zeros(2, np.float32), np.zeros(2, np.float32)
+    big = np.zeros(16384, np.float32)                    # 64 KiB: CMA reads where RINGCOMM_CMA_MIN allows
+    gathered = np.zeros((n, 16384), np.float32)
+    seqs, counts = [], None
+    for i in range(6):
+        if i == 3:
+            counts = _count_lane_calls()
+        small[...] = r + i
+        comm.all_reduce(small, out=out)
+        assert (out == n * (n - 1) / 2 + n * i).all(), out
+        seqs.append((comm._executor._call.seq, comm._seq))
+        big[...] = r + i
+        comm.broadcast(big, root=1)
+        assert (big == 1 + i).all(), big[:4]
+        comm.all_gather(big, gathered)
+        assert (gathered == (1 + i)).all(), gathered[:, :4]
+        seqs.append((comm._executor._call.seq, comm._seq))
+    lanes = sorted(type(known.lane).__name__ for known in comm._known.entries.values())
+    reads = comm._registry.engine.calls if comm._registry else 0
+    return counts, seqs, lanes, reads
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cma", [False, True], ids=["fifo", "cma"])
+def test_known_calls_go_down_their_engines_lane(cma):
+    env = {"RINGCOMM_CMA_MIN": "1"} if cma else {"RINGCOMM_CMA": "0"}
+    with World(2, env, timeout=30) as w:
+        for counts, seqs, lanes, reads in w.run(_down_the_lanes, cma):
+            assert all(mine == comm_seq for mine, comm_seq in seqs), seqs
+            # the three counted rounds took the lanes
+            if cma:   # every call read the peer; the all_reduce reduces in Python: no lane (False)
+                assert lanes == ["ReadLane", "ReadLane", "bool"] and reads == 18, (lanes, reads)
+                assert counts["start"] == 6, counts
+            else:
+                assert lanes == ["Lane"] * 3 and reads == 0, (lanes, reads)
+                assert counts["start"] == 9, counts
+
+
+def _lane_call_that_waits(comm, coll: str):
+    """Rank 0's known call goes down its lane while rank 1 is provably not in it yet (rank 1 enters
+    once rank 0's executor waits on it in Python): the loop stops at the wait, and the lane's run()
+    finishes the call, with the right result."""
+    r, n = comm.rank, comm.world_size
+    x = np.zeros(16384 if coll == "broadcast" else 2, np.float32)   # 64 KiB, or 8 bytes
+    out = np.zeros_like(x)
+
+    def call():
+        if coll == "all_reduce":
+            comm.all_reduce(x, out=out)
+            return out.copy()
+        comm.broadcast(x, root=0)
+        return x[:4].copy()
+    for i in range(3):   # remembered, then the lane found, then taken
+        x[...] = r + 1
+        call()
+    x[...] = r + 1
+    if r == 1:
+        comm._store.wait(["lanes/rank0_waits"], 30)
+        return call(), None
+    counts, got, ex = _count_lane_calls(), {}, comm._executor
+    ex._waiting = None
+    worker = threading.Thread(target=lambda: got.update(result=call()))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while ex._waiting is None or ex._call.seq != comm._seq:   # rank 0's call is waiting on rank 1
+        assert time.monotonic() < deadline, "rank 0 never waited"
+        time.sleep(0.001)
+    comm._store.set("lanes/rank0_waits", b"1")
+    worker.join(30)
+    return got.get("result"), counts
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("coll", ["all_reduce", "broadcast"])
+def test_a_lane_call_that_waits_is_finished_by_the_engine(coll):
+    env = {"RINGCOMM_CMA_MIN": "65536"} if coll == "broadcast" else {}   # broadcast: the read lane (CMA)
+    with World(2, env, timeout=30) as w:
+        (result0, counts), (result1, _) = w.run(_lane_call_that_waits, coll)
+    want = 3.0 if coll == "all_reduce" else 1.0
+    assert (result0 == want).all() and (result1 == want).all(), (result0, result1)
+    assert counts == {"start": 1, "run": 1}, counts
+
+
+def _peer_leaves_during_a_lane_call(comm):
+    """Rank 1 aborts instead of making the call: rank 0's lane call fails with the engine's message."""
+    x = np.ones(2, np.float32)
+    for _ in range(3):
+        comm.all_reduce(x)
+    if comm.rank == 1:
+        comm.abort()
+        return None
+    try:
+        comm.all_reduce(x)
+    except ringcomm.RingcommError as e:
+        return type(e).__name__ + ": " + str(e)
+    return "no error"
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_that_leaves_during_a_lane_call_is_reported():
+    with World(2, {}, timeout=30) as w:
+        said, _ = w.run(_peer_leaves_during_a_lane_call)
+    assert said.startswith("PeerFailure") and "rank 0 (this process)" in said, said
+    assert "all_reduce #" in said and "rank 1 over shm" in said, said
