@@ -251,7 +251,7 @@ def _lane_call_that_waits(comm, coll: str):
     """Rank 0's known call goes down its lane while rank 1 is provably not in it yet (rank 1 enters
     once rank 0's executor waits on it in Python): the loop stops at the wait, and the lane's run()
     finishes the call, with the right result."""
-    r, n = comm.rank, comm.world_size
+    r = comm.rank
     x = np.zeros(16384 if coll == "broadcast" else 2, np.float32)   # 64 KiB, or 8 bytes
     out = np.zeros_like(x)
 
