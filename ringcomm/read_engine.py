@@ -74,19 +74,25 @@ class ReadLane:
     the call there: True, it finished; False, it was handed back and run() does the rest; None,
     not begun (an allocation of this rank's was registered since: ReadEngine.run decides)."""
 
-    __slots__ = ("engine", "ex", "plan", "rows", "nsteps")
+    __slots__ = ("engine", "ex", "plan", "nsteps", "run_call", "rows", "step_peers", "words", "peer_words", "syncs",
+                 "in_bytes", "out_bytes", "consts", "iov", "res")
 
-    def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int):
-        self.engine, self.ex, self.plan, self.rows, self.nsteps = engine, ex, plan, plan.native, nsteps
+    def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int, in_bytes: int, out_bytes: int):
+        self.engine, self.ex, self.plan, self.nsteps = engine, ex, plan, nsteps
+        # the compiled call's arguments that stay the same from call to call, each one look-up away
+        self.run_call, (self.rows, self.step_peers) = engine.run_call, plan.native
+        self.words, self.peer_words, self.syncs = engine.reg.ctl.words, engine.peer_words, engine.syncs
+        self.in_bytes, self.out_bytes = in_bytes, out_bytes   # a known call's arrays keep their shapes
+        self.consts, self.iov, self.res = engine.consts, engine.iov, engine.res
 
     def start(self, call) -> bool | None:
         e = self.engine
         if e.reg.mine:
             return None
-        e.calls += 1
+        e.calls = calls = e.calls + 1
         ain, aout = call.addrs
-        if e.run_call(self.rows[0], self.rows[1], -1, False, e.reg.ctl.words, e.peer_words, e.calls, e.syncs,
-                      ain, aout, call.inp.nbytes, call.out.nbytes, e.consts, e.iov, e.res) == read_native.DONE:
+        if self.run_call(self.rows, self.step_peers, -1, False, self.words, self.peer_words, calls, self.syncs, ain, aout,
+                         self.in_bytes, self.out_bytes, self.consts, self.iov, self.res) == read_native.DONE:
             return True
         e.handed_back += 1
         return False
@@ -155,7 +161,7 @@ class ReadEngine:
             return None
         if self._compiled(ex, plan, call) is None:
             return None
-        return ReadLane(self, ex, plan, len(sched.steps))
+        return ReadLane(self, ex, plan, len(sched.steps), call.inp.nbytes, call.out.nbytes)
 
     def _compiled(self, ex, plan: _Plan, call):
         """read_native's plan for this call, where the compiled path applies: the native engine, plain
