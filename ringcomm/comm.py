@@ -334,8 +334,8 @@ class Communicator:
         """A call repeated on the same arrays (known_calls.py): its checks hold and its schedule is
         chosen. Where an engine ran it in compiled code before, the call goes down that engine's
         lane (engine_native.Lane for the FIFOs, read_engine.ReadLane for CMA reads) straight in,
-        past _start, _execute_now and the engine's look-ups: 2 ranks, an 8-byte all_reduce 2.2 us a
-        call instead of 2.7, an 8-byte broadcast 1.7 instead of 2.2 (ringcomm-bench, alternating
+        past _start, the executor's and the engine's look-ups: 2 ranks, an 8-byte all_reduce 2.2 us
+        a call instead of 2.7, an 8-byte broadcast 1.7 instead of 2.2 (ringcomm-bench, alternating
         launches). Anything unusual (a group or RINGCOMM_DEBUG=check, a closed or broken
         communicator) takes _start's way."""
         lane = known.lane
@@ -348,9 +348,9 @@ class Communicator:
         self._ordinal += 1
         call = Call(collective, seq, x, y, m, known.op, None, None, known.addrs)
         self._executor._call, self._executor._nsteps = call, lane.nsteps   # the watchdog's position
-        done = lane.start(call)
-        if not done:   # the rest where the engine waits and explains; not begun: the executor's whole way
-            self._execute_now(known.sched, call, lane if done is False else None)
+        # The lane is the engine here: inside _execute_now's handler, so that Ctrl-C after the
+        # loop returned mid-call (signals wait for compiled code to return) breaks the communicator.
+        self._execute_now(known.sched, call, lane)
 
     def _start(self, collective, algo, sched, x, y, m, op, root, blocks=None, addrs=None):
         """A checked call, with its algorithm and schedule chosen: number it and run it (``addrs``:

@@ -384,10 +384,10 @@ class Lane:
 
     A known call's checks, algorithm, schedule and plan are settled; what is left of the way in
     (the executor's plan look-up, run()'s control block look-up and preparations) is found once
-    and held here. start(call) runs the call in the loop: True, it finished; False, it stopped at a wait
-    and run() does the rest (go_on: the same waits, the same errors); None, not begun, because
-    run()'s preparations are due (the reference engine held the counters, a send link has not
-    settled its stores): the executor runs it whole. comm._run_known is the caller."""
+    and held here. comm._run_known hands the call to run() as to an engine: the loop, and where it
+    stops at a wait, go_on (the same waits, the same errors); where run()'s preparations are due
+    (the reference engine held the counters, a send link has not settled its stores), the
+    executor's whole way."""
 
     __slots__ = ("engine", "plan", "table", "ctl", "loop", "nsteps")
 
@@ -395,16 +395,12 @@ class Lane:
         self.engine, self.plan, self.table, self.ctl, self.loop = engine, plan, plan.table, ctl, loop
         self.nsteps = nsteps
 
-    def start(self, call) -> bool | None:
+    def run(self, sched, call) -> None:
         e = self.engine
         if not e.owned or self.plan.unsettled:
-            return None
-        return self.loop(self.table, e.conns, self.ctl, call.inp, call.out, 0,
-                         e.short if e.stacked else e.first) == DONE
-
-    def run(self, sched, call) -> None:
-        """The engine interface comm._execute_now calls: the rest of a call start() began."""
-        self.engine.go_on(self.plan, self.ctl, self.loop, call, call.inp, call.out)
+            e.x.run(sched, call)
+        elif self.loop(self.table, e.conns, self.ctl, call.inp, call.out, 0, e.short if e.stacked else e.first) != DONE:
+            e.go_on(self.plan, self.ctl, self.loop, call, call.inp, call.out)
 
 
 class NativeEngine:

@@ -70,9 +70,9 @@ class _Plan:
 
 class ReadLane:
     """A known call's shortest way into read_native's compiled call (comm._run_known; the FIFO
-    engine's twin is engine_native.Lane): ReadEngine.run's look-ups, done once. start(call) runs
-    the call there: True, it finished; False, it was handed back and run() does the rest; None,
-    not begun (an allocation of this rank's was registered since: ReadEngine.run decides)."""
+    engine's twin is engine_native.Lane): ReadEngine.run's look-ups, done once. run() is the
+    engine comm._execute_now calls: the compiled call, then Python's steps from where it handed
+    back; the executor's whole way where an allocation of this rank's was registered since."""
 
     __slots__ = ("engine", "ex", "plan", "nsteps", "run_call", "rows", "step_peers", "words", "peer_words", "syncs",
                  "in_bytes", "out_bytes", "consts", "iov", "res")
@@ -85,22 +85,17 @@ class ReadLane:
         self.in_bytes, self.out_bytes = in_bytes, out_bytes   # a known call's arrays keep their shapes
         self.consts, self.iov, self.res = engine.consts, engine.iov, engine.res
 
-    def start(self, call) -> bool | None:
+    def run(self, sched, call) -> None:
         e = self.engine
-        if e.reg.mine:
-            return None
+        if e.reg.mine:   # ReadEngine.run decides again: this rank's buffers may be registered ones
+            self.ex.run(sched, call)
+            return
         e.calls = calls = e.calls + 1
         ain, aout = call.addrs
         if self.run_call(self.rows, self.step_peers, -1, False, self.words, self.peer_words, calls, self.syncs, ain, aout,
-                         self.in_bytes, self.out_bytes, self.consts, self.iov, self.res) == read_native.DONE:
-            return True
-        e.handed_back += 1
-        return False
-
-    def run(self, sched, call) -> None:
-        """The engine interface comm._execute_now calls: the rest of a call start() handed back."""
-        e = self.engine
-        e.go_on(self.ex, sched, call, self.plan, *call.addrs, int(e.res[0]), bool(e.res[1]))
+                         self.in_bytes, self.out_bytes, self.consts, self.iov, self.res) != read_native.DONE:
+            e.handed_back += 1
+            e.go_on(self.ex, sched, call, self.plan, ain, aout, int(self.res[0]), bool(self.res[1]))
 
 
 class ReadEngine:

@@ -187,19 +187,21 @@ def test_known_calls_by_cma_read_each_arrays_own_memory():
 # ---- lanes: a known call goes straight into the engine's compiled code (comm._run_known) ----------
 
 def _count_lane_calls():
-    """Count the lanes' start() and run() calls in this rank (class attributes: the lanes have slots)."""
-    from ringcomm.engine_native import Lane
-    from ringcomm.read_engine import ReadLane
-    counts = {"start": 0, "run": 0}
-    for cls in (Lane, ReadLane):
-        for name in ("start", "run"):
-            real = getattr(cls, "_real_" + name, None) or getattr(cls, name)
-            setattr(cls, "_real_" + name, real)
+    """Count, in this rank, the calls that went down a lane ("lane": Lane.run, ReadLane.run) and the
+    engines' go_on, where a call that stopped at a wait goes on in Python (class attributes: the
+    lanes have slots)."""
+    from ringcomm.engine_native import Lane, NativeEngine
+    from ringcomm.read_engine import ReadEngine, ReadLane
+    counts = {"lane": 0, "go_on": 0}
+    for cls, name, key in ((Lane, "run", "lane"), (ReadLane, "run", "lane"), (NativeEngine, "go_on", "go_on"),
+                           (ReadEngine, "go_on", "go_on")):
+        real = getattr(cls, "_real_" + name, None) or getattr(cls, name)
+        setattr(cls, "_real_" + name, real)
 
-            def counted(self, *args, _real=real, _name=name):
-                counts[_name] += 1
-                return _real(self, *args)
-            setattr(cls, name, counted)
+        def counted(self, *args, _real=real, _key=key):
+            counts[_key] += 1
+            return _real(self, *args)
+        setattr(cls, name, counted)
     return counts
 
 
@@ -241,16 +243,16 @@ def test_known_calls_go_down_their_engines_lane(cma):
             # the three counted rounds took the lanes
             if cma:   # every call read the peer; the all_reduce reduces in Python: no lane (False)
                 assert lanes == ["ReadLane", "ReadLane", "bool"] and reads == 18, (lanes, reads)
-                assert counts["start"] == 6, counts
+                assert counts["lane"] == 6, counts
             else:
                 assert lanes == ["Lane"] * 3 and reads == 0, (lanes, reads)
-                assert counts["start"] == 9, counts
+                assert counts["lane"] == 9, counts
 
 
 def _lane_call_that_waits(comm, coll: str):
     """Rank 0's known call goes down its lane while rank 1 is provably not in it yet (rank 1 enters
-    once rank 0's executor waits on it in Python): the loop stops at the wait, and the lane's run()
-    finishes the call, with the right result."""
+    once rank 0's executor waits on it in Python): the compiled code stops at the wait, and the
+    engine's go_on finishes the call, with the right result."""
     r = comm.rank
     x = np.zeros(16384 if coll == "broadcast" else 2, np.float32)   # 64 KiB, or 8 bytes
     out = np.zeros_like(x)
@@ -289,7 +291,7 @@ def test_a_lane_call_that_waits_is_finished_by_the_engine(coll):
         (result0, counts), (result1, _) = w.run(_lane_call_that_waits, coll)
     want = 3.0 if coll == "all_reduce" else 1.0
     assert (result0 == want).all() and (result1 == want).all(), (result0, result1)
-    assert counts == {"start": 1, "run": 1}, counts
+    assert counts == {"lane": 1, "go_on": 1}, counts
 
 
 def _peer_leaves_during_a_lane_call(comm):
@@ -313,3 +315,52 @@ def test_a_peer_that_leaves_during_a_lane_call_is_reported():
         said, _ = w.run(_peer_leaves_during_a_lane_call)
     assert said.startswith("PeerFailure") and "rank 0 (this process)" in said, said
     assert "all_reduce #" in said and "rank 1 over shm" in said, said
+
+
+def _interrupt_where_a_lane_call_goes_on(comm):
+    """Rank 0's lane call stops at a wait (rank 1 holds back), and Ctrl-C's handler runs the moment
+    the compiled loop returns (signals wait for compiled code): the communicator must break, as
+    for any call that moved bytes, and never hand the next call the interrupted one's slices."""
+    from ringcomm.engine_native import DONE
+    x = np.ones(2, np.float32)
+    for _ in range(3):
+        comm.all_reduce(x)
+    if comm.rank == 1:   # rank 0 sent its 8 bytes before it stopped: this call may finish, rightly
+        comm._store.wait(["lanes/interrupted"], 30)
+        x[...] = 1
+        first = _next_call(comm, x)
+        return first, x.copy(), _next_call(comm, x)
+    (known,) = comm._known.entries.values()
+    loop = known.lane.loop
+
+    def interrupted_on_return(*args):
+        if loop(*args) != DONE:
+            raise KeyboardInterrupt
+        return DONE
+    known.lane.loop = interrupted_on_return
+    x[...] = 1
+    try:
+        comm.all_reduce(x)
+        first = "returned"
+    except KeyboardInterrupt:
+        first = "KeyboardInterrupt"
+    comm._store.set("lanes/interrupted", b"1")
+    return first, _next_call(comm, x)
+
+
+def _next_call(comm, x):
+    try:
+        comm.all_reduce(x)
+    except ringcomm.RingcommError as e:
+        return f"{type(e).__name__}: {e}"
+    return "returned"
+
+
+@pytest.mark.timeout(60)
+def test_a_lane_call_interrupted_where_python_takes_over_breaks_the_communicator():
+    with World(2, {"RINGCOMM_TIMEOUT": "20"}, timeout=30) as w:
+        (first, later), (peer_first, peer_x, peer_later) = w.run(_interrupt_where_a_lane_call_goes_on, timeout=40)
+    assert first == "KeyboardInterrupt", first
+    assert later.startswith("CommunicatorClosed") and "interrupted by KeyboardInterrupt" in later, later
+    assert peer_first != "returned" or (peer_x == 2).all(), (peer_first, peer_x)   # an error, or the right sum
+    assert peer_later.startswith("PeerFailure") and "rank 0" in peer_later, peer_later
