@@ -54,7 +54,7 @@ def test_sweep_is_geometric_and_inclusive():
 def test_cli_rejects_bad_arguments(capsys):
     for argv in (["all_reduce", "-b", "12Q"], ["broadcast", "-n", "2", "-r", "2"],
                  ["all_gather", "--algo", "tree"], ["sendrecv", "-n", "1"], ["all_reduce", "-d", "float8"],
-                 ["all_reduce", "--engine", "fast"]):
+                 ["all_reduce", "--engine", "fast"], ["all_reduce", "--min-row-ms", "-1"]):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2
@@ -64,6 +64,8 @@ def test_cli_rejects_bad_arguments(capsys):
     assert "read" in parse_args(["reduce", "--algo", "all", "--registered"]).algos  # it reads registered buffers
     assert parse_args(["all_reduce", "--algo", "ring,auto"]).algos == ["ring", None]
     assert parse_args(["all_reduce", "--engine", "python"]).engine == "python"
+    assert parse_args(["all_reduce", "--min-row-ms", "10"]).min_row_ms == 10.0
+    assert parse_args(["all_reduce"]).min_row_ms == 0.0   # nccl-tests' fixed count by default
 
 
 # ---- arithmetic ----------------------------------------------------------------------------------
@@ -384,6 +386,28 @@ def test_a_first_row_warms_up_for_its_time_and_later_rows_for_their_calls():
     t0 = time.perf_counter()
     worker.measure(first, cfg, tables, bufs, "all_reduce", 256, False, warm_s=0.02)
     assert time.perf_counter() - t0 >= 0.02 and first.calls > 2 + 3 + 2   # calls until 20 ms had passed
+
+
+def test_min_row_ms_times_enough_calls_to_last_that_long():
+    """--min-row-ms: at the pace of the probe calls, enough calls for the row to last that long; never
+    fewer than --iters; without it, exactly --iters (nccl-tests)."""
+    class Slow(_CountingBackend):
+        def call(self, coll, inp, out, op, root, in_place):
+            def fn():
+                self.calls += 1
+                t = time.perf_counter() + 1e-4     # a 100 us call
+                while time.perf_counter() < t:
+                    pass
+            return fn, out
+    tables = {"input": verify.input_table(np.dtype(np.float32), "sum", 1, 0)}
+    bufs = (np.zeros(64, np.float32),) * 3
+    cfg = {"root": 0, "op": "sum", "warmup": 2, "iters": 3, "check": False, "min_row_s": 0.02}
+    ev = worker.measure(Slow(), cfg, tables, bufs, "all_reduce", 256, False)
+    assert 100 <= ev["iters"] <= 220 and ev["rank_seconds"][0] >= 1e-4, ev   # ~200 calls of 100 us
+    assert worker.measure(Slow(), dict(cfg, min_row_s=1e-6), tables, bufs, "all_reduce", 256, False)["iters"] == 3
+    assert worker.measure(Slow(), dict(cfg, min_row_s=0.0), tables, bufs, "all_reduce", 256, False)["iters"] == 3
+    row = report.make_row("all_reduce", 1, "float", "sum", 0, ev, ev)
+    assert row["oop"]["iters"] == ev["iters"]
 
 
 def test_all_to_all_has_no_in_place_row():

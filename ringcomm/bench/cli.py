@@ -47,6 +47,10 @@ def parse_args(argv):
     p.add_argument("-r", "--root", type=int, default=0, help="root of broadcast, reduce, gather, scatter")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per size (default 20)")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    p.add_argument("--min-row-ms", type=float, default=0.0, metavar="MS",
+                   help="time at least --iters calls per row and as many more as last about MS ms at the "
+                        "pace of a few untimed calls, so that a moment's preemption stays small in a "
+                        "row's mean (default 0: exactly --iters, as nccl-tests)")
     p.add_argument("--check", action="store_true", help="verify every result (#wrong)")
     p.add_argument("--algo", default=None, help="ringcomm algorithm: ring, tree, auto, a comma list or all")
     p.add_argument("--transport", choices=("shm", "tcp"), default=None, help="force ringcomm's transport")
@@ -89,8 +93,8 @@ def parse_args(argv):
         p.error("sendrecv needs at least 2 ranks")
     if not 0 <= a.root < a.ranks:
         p.error(f"root {a.root} is out of range for {a.ranks} ranks")
-    if a.iters < 1 or a.warmup < 0:
-        p.error("--iters must be >= 1 and --warmup >= 0")
+    if a.iters < 1 or a.warmup < 0 or not 0 <= a.min_row_ms <= 60000:
+        p.error("--iters must be >= 1, --warmup >= 0 and --min-row-ms between 0 and 60000")
     if a.runs < 1 or (a.runs > 1 and a.reproducible):
         p.error("--runs must be >= 1, and 1 with --reproducible (which alternates its own two calls)")
     a.peer = list(dict.fromkeys(a.peer))
@@ -164,6 +168,9 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
                      "peers' plain numpy")
     if a.bind:
         lines.append("# Binding: every library's rank i on usable CPU i mod their number (--bind)")
+    if a.min_row_ms:
+        lines.append(f"# Rows: at least {a.min_row_ms:g} ms of timed calls each (--min-row-ms; at least "
+                     f"{a.iters} calls, each row's count in --json)")
     for name, run in peers.items():
         lines.append(f"# Peer {name}: {run['facts'].get('library', '?')}")
     for name, why in skipped.items():

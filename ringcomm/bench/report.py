@@ -21,7 +21,8 @@ def placement(coll: str, n: int, size: int, ev: dict) -> dict:
     algbw, busbw = spec.bandwidth(coll, size, seconds, n)
     wrong = ev["rank_wrong"]
     return {"seconds": seconds, "rank_seconds": ev["rank_seconds"], "algbw": algbw, "busbw": busbw,
-            "wrong": None if wrong is None else sum(wrong), "rank_wrong": wrong, "skipped": ev.get("skipped")}
+            "wrong": None if wrong is None else sum(wrong), "rank_wrong": wrong, "skipped": ev.get("skipped"),
+            "iters": ev.get("iters")}
 
 
 def make_row(coll: str, n: int, dtype: str, op: str, root: int, oop: dict, ip: dict) -> dict:

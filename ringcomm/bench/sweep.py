@@ -12,7 +12,8 @@ def job_config(backend, a, algos) -> dict:
             "iters": a.iters, "warmup": a.warmup, "check": a.check, "algos": algos,
             "timeout": a.timeout, "job_id": "b" + secrets.token_hex(4), "transport": a.transport,
             "registered": a.registered and backend == "ringcomm",
-            "engine": a.engine, "reproducible": a.reproducible, "bind": a.bind}
+            "engine": a.engine, "reproducible": a.reproducible, "bind": a.bind,
+            "min_row_s": a.min_row_ms / 1e3}
 
 
 class Sweep:

@@ -18,6 +18,7 @@ then, with check on, fresh inputs, a poisoned output, one more call and a count 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -151,20 +152,42 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
     while warming and be.gather_f64([time.perf_counter() - t0]).max() < warming:
         for _ in range(max(1, cfg["warmup"])):
             fn()
+    iters = timed_calls(be, cfg, fn)
     be.sync()
     be.barrier()
     t0 = time.perf_counter()
-    for _ in range(cfg["iters"]):
+    for _ in range(iters):
         fn()
     be.sync()
-    seconds = (time.perf_counter() - t0) / max(1, cfg["iters"])
+    seconds = (time.perf_counter() - t0) / iters
     wrong = -1.0  # not checked: nccl-tests prints N/A (and does not check in-place sendrecv either)
     if cfg["check"] and not (coll == "sendrecv" and in_place):
         wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
     stats = be.gather_f64([seconds, wrong])
-    return {"size": row_bytes, "count": count, "in_place": in_place,
+    return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters,
             "rank_seconds": stats[:, 0].tolist(),
             "rank_wrong": None if stats[0, 1] < 0 else [int(w) for w in stats[:, 1]]}
+
+
+MAX_TIMED_CALLS = 1_000_000   # --min-row-ms's ceiling, whatever a call's pace
+
+
+def timed_calls(be, cfg, fn) -> int:
+    """How many calls a row times: --iters, or with --min-row-ms as many more as last that long at
+    the pace of a few untimed calls (the slowest rank's, so that every rank makes the same number).
+    A short row is at the mercy of anything else that takes a core for a moment: on the VMs these
+    pages were measured on, the VM's own agent (nice -10) takes one vCPU for ~3 ms about 1.5 times a
+    second, and a 30-call row of 0.5 ms that it hits runs 7x its median, in every library."""
+    iters, want = cfg["iters"], cfg.get("min_row_s", 0.0)
+    if not want:
+        return iters
+    probe = max(1, cfg["warmup"], iters // 4)
+    t0 = time.perf_counter()
+    for _ in range(probe):
+        fn()
+    be.sync()
+    pace = be.gather_f64([(time.perf_counter() - t0) / probe]).max()
+    return int(min(MAX_TIMED_CALLS, max(iters, math.ceil(want / max(pace, 1e-9)))))
 
 
 def run(be, cfg) -> None:
