@@ -399,7 +399,9 @@ class Lane:
         e = self.engine
         if not e.owned or self.plan.unsettled:
             e.x.run(sched, call)
-        elif self.loop(self.table, e.conns, self.ctl, call.inp, call.out, 0, e.short if e.stacked else e.first) != DONE:
+            return
+        spin = e.short if e.stacked else e.first
+        if self.loop(self.table, e.conns, self.ctl, call.inp, call.out, 0, spin) != DONE:
             e.go_on(self.plan, self.ctl, self.loop, call, call.inp, call.out)
 
 

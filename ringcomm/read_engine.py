@@ -74,8 +74,8 @@ class ReadLane:
     engine comm._execute_now calls: the compiled call, then Python's steps from where it handed
     back; the executor's whole way where an allocation of this rank's was registered since."""
 
-    __slots__ = ("engine", "ex", "plan", "nsteps", "run_call", "rows", "step_peers", "words", "peer_words", "syncs",
-                 "in_bytes", "out_bytes", "consts", "iov", "res")
+    __slots__ = ("engine", "ex", "plan", "nsteps", "run_call", "rows", "step_peers", "words", "peer_words",
+                 "syncs", "in_bytes", "out_bytes", "consts", "iov", "res")
 
     def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int, in_bytes: int, out_bytes: int):
         self.engine, self.ex, self.plan, self.nsteps = engine, ex, plan, nsteps
@@ -92,8 +92,8 @@ class ReadLane:
             return
         e.calls = calls = e.calls + 1
         ain, aout = call.addrs
-        if self.run_call(self.rows, self.step_peers, -1, False, self.words, self.peer_words, calls, self.syncs, ain, aout,
-                         self.in_bytes, self.out_bytes, self.consts, self.iov, self.res) != read_native.DONE:
+        if self.run_call(self.rows, self.step_peers, -1, False, self.words, self.peer_words, calls, self.syncs,
+                         ain, aout, self.in_bytes, self.out_bytes, self.consts, self.iov, self.res) != read_native.DONE:
             e.handed_back += 1
             e.go_on(self.ex, sched, call, self.plan, ain, aout, int(self.res[0]), bool(self.res[1]))
 
