@@ -388,22 +388,24 @@ def test_a_first_row_warms_up_for_its_time_and_later_rows_for_their_calls():
     assert time.perf_counter() - t0 >= 0.02 and first.calls > 2 + 3 + 2   # calls until 20 ms had passed
 
 
-def test_min_row_ms_times_enough_calls_to_last_that_long():
-    """--min-row-ms: at the pace of the probe calls, enough calls for the row to last that long; never
-    fewer than --iters; without it, exactly --iters (nccl-tests)."""
+def test_min_row_ms_times_enough_calls_to_last_that_long(monkeypatch):
+    """--min-row-ms: at the pace of the probe calls (their median), enough calls for the row to last
+    that long; never fewer than --iters; without it, exactly --iters (nccl-tests). A fake clock: each
+    call takes 100 us of it, one probe call 5 ms (a preemption), which the median ignores."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(worker.time, "perf_counter", lambda: clock["now"])
+
     class Slow(_CountingBackend):
         def call(self, coll, inp, out, op, root, in_place):
             def fn():
                 self.calls += 1
-                t = time.perf_counter() + 1e-4     # a 100 us call
-                while time.perf_counter() < t:
-                    pass
+                clock["now"] += 5e-3 if self.calls == 4 else 1e-4
             return fn, out
     tables = {"input": verify.input_table(np.dtype(np.float32), "sum", 1, 0)}
     bufs = (np.zeros(64, np.float32),) * 3
     cfg = {"root": 0, "op": "sum", "warmup": 2, "iters": 3, "check": False, "min_row_s": 0.02}
     ev = worker.measure(Slow(), cfg, tables, bufs, "all_reduce", 256, False)
-    assert 100 <= ev["iters"] <= 220 and ev["rank_seconds"][0] >= 1e-4, ev   # ~200 calls of 100 us
+    assert ev["iters"] == 200 and ev["rank_seconds"][0] == pytest.approx(1e-4), ev   # 20 ms of 100 us calls
     assert worker.measure(Slow(), dict(cfg, min_row_s=1e-6), tables, bufs, "all_reduce", 256, False)["iters"] == 3
     assert worker.measure(Slow(), dict(cfg, min_row_s=0.0), tables, bufs, "all_reduce", 256, False)["iters"] == 3
     row = report.make_row("all_reduce", 1, "float", "sum", 0, ev, ev)

@@ -170,23 +170,26 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
 
 
 MAX_TIMED_CALLS = 1_000_000   # --min-row-ms's ceiling, whatever a call's pace
+PROBE_CALLS = 5               # --min-row-ms times at least this many calls for their pace
 
 
 def timed_calls(be, cfg, fn) -> int:
     """How many calls a row times: --iters, or with --min-row-ms as many more as last that long at
-    the pace of a few untimed calls (the slowest rank's, so that every rank makes the same number).
-    A short row is at the mercy of anything else that takes a core for a moment: on the VMs these
-    pages were measured on, the VM's own agent (nice -10) takes one vCPU for ~3 ms about 1.5 times a
-    second, and a 30-call row of 0.5 ms that it hits runs 7x its median, in every library."""
+    the pace of a few untimed calls: each timed alone, their median (one of them preempted does not
+    move it), the slowest rank's (so that every rank makes the same number). A short row is at the
+    mercy of anything else that takes a core for a moment: on the VMs these pages were measured on,
+    the VM's own agent (nice -10) takes one vCPU for ~3 ms about 1.5 times a second, and a 30-call
+    row of 0.5 ms that it hits runs 7x its median, in every library."""
     iters, want = cfg["iters"], cfg.get("min_row_s", 0.0)
     if not want:
         return iters
-    probe = max(1, cfg["warmup"], iters // 4)
-    t0 = time.perf_counter()
-    for _ in range(probe):
+    took = []
+    for _ in range(max(PROBE_CALLS, cfg["warmup"], iters // 4)):
+        t0 = time.perf_counter()
         fn()
+        took.append(time.perf_counter() - t0)
     be.sync()
-    pace = be.gather_f64([(time.perf_counter() - t0) / probe]).max()
+    pace = be.gather_f64([float(np.median(took))]).max()
     return int(min(MAX_TIMED_CALLS, max(iters, math.ceil(want / max(pace, 1e-9)))))
 
 
