@@ -27,11 +27,14 @@ def env_switch(name: str) -> bool:
     return raw not in ("0", "off", "no", "false")
 
 
+HOST_CPUS_ENV = "RINGCOMM_HOST_CPUS"   # the CPUs a host's bound ranks share (ringcomm-run --bind core)
+
+
 def oversubscribed(world_size: int) -> bool:
     """Whether this host's ranks (LOCAL_WORLD_SIZE, else ``world_size``) outnumber the cores they
     share (RINGCOMM_HOST_CPUS, which `ringcomm-run --bind core` sets, else the cores this process
     may use): then ranks share cores and preempt each other (assemble.spins,
     engine_native.slot_stores)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-    cpus = int(os.environ.get("RINGCOMM_HOST_CPUS") or 0) or len(os.sched_getaffinity(0))
+    cpus = int(os.environ.get(HOST_CPUS_ENV) or 0) or len(os.sched_getaffinity(0))
     return local > cpus

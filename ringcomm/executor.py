@@ -139,10 +139,8 @@ class Executor:
             return None
         if sched.registered:
             return self.registered.engine.lane(self, sched, call) if self.registered is not None else None
-        owner, plan = self._plans.get((id(sched), call.inp.itemsize, call.m, None, True), _NO_PLAN)
-        if owner is not sched or plan is None:
-            return None
-        return self.native.lane(plan, call.inp.dtype, call.op, len(sched.steps))
+        plan = self._cached_plan(sched, call, True)
+        return None if plan is None else self.native.lane(plan, call.inp.dtype, call.op, len(sched.steps))
 
     def _cached_plan(self, sched: Schedule, call: Call, native: bool):
         # Keyed by identity: hashing a schedule hashes every step. The entry keeps the schedule

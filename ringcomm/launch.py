@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+from .env import HOST_CPUS_ENV   # stdlib only, like this module
+
 KILL_AFTER_S = 5.0  # between SIGTERM and SIGKILL
 DEFAULT_TIMEOUT_S = 30.0  # the library's collective timeout when RINGCOMM_TIMEOUT is unset
 SHM_DIR = "/dev/shm"
@@ -80,9 +82,6 @@ def free_port(addr: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((addr, 0))
         return s.getsockname()[1]
-
-
-HOST_CPUS_ENV = "RINGCOMM_HOST_CPUS"   # what bound ranks share; env.oversubscribed counts it
 
 
 def usable_cpus() -> list:

@@ -70,32 +70,26 @@ class _Plan:
 
 class ReadLane:
     """A known call's shortest way into read_native's compiled call (comm._run_known; the FIFO
-    engine's twin is engine_native.Lane): ReadEngine.run's look-ups, done once. run() is the
-    engine comm._execute_now calls: the compiled call, then Python's steps from where it handed
-    back; the executor's whole way where an allocation of this rank's was registered since."""
+    engine's twin is engine_native.Lane): ReadEngine.run's look-ups (its plan, whether the compiled
+    path applies), done once. run() is the engine comm._execute_now calls: the compiled call, then
+    Python's steps from where it handed back; the executor's whole way where an allocation of this
+    rank's was registered since."""
 
-    __slots__ = ("engine", "ex", "plan", "nsteps", "run_call", "rows", "step_peers", "words", "peer_words",
-                 "syncs", "in_bytes", "out_bytes", "consts", "iov", "res")
+    __slots__ = ("engine", "ex", "plan", "nsteps")
 
-    def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int, in_bytes: int, out_bytes: int):
+    def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int):
         self.engine, self.ex, self.plan, self.nsteps = engine, ex, plan, nsteps
-        # the compiled call's arguments that stay the same from call to call, each one look-up away
-        self.run_call, (self.rows, self.step_peers) = engine.run_call, plan.native
-        self.words, self.peer_words, self.syncs = engine.reg.ctl.words, engine.peer_words, engine.syncs
-        self.in_bytes, self.out_bytes = in_bytes, out_bytes   # a known call's arrays keep their shapes
-        self.consts, self.iov, self.res = engine.consts, engine.iov, engine.res
 
     def run(self, sched, call) -> None:
         e = self.engine
         if e.reg.mine:   # ReadEngine.run decides again: this rank's buffers may be registered ones
             self.ex.run(sched, call)
             return
-        e.calls = calls = e.calls + 1
+        e.calls += 1
         ain, aout = call.addrs
-        if self.run_call(self.rows, self.step_peers, -1, False, self.words, self.peer_words, calls, self.syncs,
-                         ain, aout, self.in_bytes, self.out_bytes, self.consts, self.iov, self.res) != read_native.DONE:
-            e.handed_back += 1
-            e.go_on(self.ex, sched, call, self.plan, ain, aout, int(self.res[0]), bool(self.res[1]))
+        start, arrived = e._run_compiled(self.ex, self.plan.native, ain, aout, call)
+        if start is not None:
+            e.go_on(self.ex, sched, call, self.plan, ain, aout, start, arrived)
 
 
 class ReadEngine:
@@ -108,7 +102,9 @@ class ReadEngine:
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
         self.plans: dict = {}                # (id(schedule), m, itemsize) -> _Plan
         self.peer_words = None               # the peers' control words' addresses (read_native)...
-        self.consts = self.iov = self.res = self.run_call = None   # ...and the rest it needs, made at first use
+        # ...and the rest it needs (constants, scratch, the compiled call, this rank's control words),
+        # made at first use
+        self.consts = self.iov = self.res = self.run_call = self.words = None
         self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
 
     def run(self, ex, sched, call) -> None:
@@ -151,12 +147,10 @@ class ReadEngine:
     def lane(self, ex, sched, call) -> ReadLane | None:
         """A known call's lane into the compiled path (see ReadLane), where it has one: a call like
         this one ran there before."""
-        plan = self.plans.get((id(sched), call.m, call.inp.itemsize))
-        if plan is None or plan.sched is not sched or self.run_call is None or not plan.native:
+        plan = self._plan(sched, call)
+        if self.run_call is None or self._compiled(ex, plan, call) is None:
             return None
-        if self._compiled(ex, plan, call) is None:
-            return None
-        return ReadLane(self, ex, plan, len(sched.steps), call.inp.nbytes, call.out.nbytes)
+        return ReadLane(self, ex, plan, len(sched.steps))
 
     def _compiled(self, ex, plan: _Plan, call):
         """read_native's plan for this call, where the compiled path applies: the native engine, plain
@@ -179,8 +173,8 @@ class ReadEngine:
             budget = int(min(ex._spin_s, read_native.SPIN_S) * native_sync.cycles_per_second())
             self.consts = read_native.constants(reg.n, reg.rank, budget)
             self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
-            self.run_call = read_native.kernel()
-        status = self.run_call(compiled[0], compiled[1], -1, False, reg.ctl.words, self.peer_words, self.calls,
+            self.run_call, self.words = read_native.kernel(), reg.ctl.words
+        status = self.run_call(compiled[0], compiled[1], -1, False, self.words, self.peer_words, self.calls,
                                self.syncs, ain, aout, call.inp.nbytes, call.out.nbytes, self.consts, self.iov,
                                self.res)
         if status == read_native.DONE:

@@ -241,7 +241,8 @@ def bind(cfg) -> None:
     counting the CPUs the ranks share. The local rank is torchrun's, or MPICH's hydra's."""
     if not cfg.get("bind"):
         return
-    from ringcomm.launch import HOST_CPUS_ENV, core_for, usable_cpus
+    from ringcomm.env import HOST_CPUS_ENV
+    from ringcomm.launch import core_for, usable_cpus
     local = int(os.environ.get("LOCAL_RANK") or os.environ.get("MPI_LOCALRANKID") or os.environ.get("PMI_RANK") or 0)
     os.environ[HOST_CPUS_ENV] = str(len(usable_cpus()))
     os.sched_setaffinity(0, {core_for(local)})
