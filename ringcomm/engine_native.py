@@ -12,6 +12,9 @@ passed, it returns to Python with where it stopped. Python then waits the refere
 way -- conn.wait / conn.acquire, with their deadline, abort(), peer liveness and watchdog, and
 the very same error messages -- and calls the loop again from that slice. Returning every
 millisecond also lets Python run signal handlers (Ctrl-C, SIGTERM's cleanup) during long calls.
+Where the host's ranks outnumber its cores nobody spins (spin is 0): a wait sched_yield()s in the
+loop (YIELDS times, within the budget), so a rank queued on this core runs at once, without a
+trip through Python; and the loop wakes peers asleep on the counters it moved (futex) itself.
 
 Same bits as the reference engine: the rows replay executor._slice's decisions (what is
 reduced into what, in which order, where AVG divides) and the reductions are
@@ -29,7 +32,9 @@ import types
 import numpy as np
 
 from ringcomm.kernels import native as native_kernels
-from ringcomm.transport import shm
+from ringcomm.transport import futex, shm
+from ringcomm.transport.base import Backoff
+from ringcomm.transport.futex import FUTEX_WAKE
 
 from . import native_sync
 from .env import oversubscribed
@@ -39,8 +44,9 @@ F_RECVS, F_REDUCES, F_COPIES, F_FINAL = 1, 2, 4, 8
 FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source rows, then ndst dest rows
 # The control block: what a call on a plan passes in, and (NEXT, STATUS, CONN) what the loop hands
 # back. Where to start and how long to poll change from call to call: those are arguments.
-NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, BUDGET, MAXSRC, STORES, EXPLORE = range(13)
-CTL_SIZE = 13
+NEXT, STATUS, CONN, NSLOTS, SLOT_BYTES, OP, KIND16, NRANKS, AVG, BUDGET, MAXSRC, STORES, EXPLORE, \
+    YIELDS, YIELD_FN, SYSCALL_FN, FUTEX_NR = range(17)
+CTL_SIZE = 17
 DONE, YIELD, BLOCKED_RECV, BLOCKED_SEND, BAD_SIZE, WAKE = range(6)
 SPIN_ROUND_S = 200e-6
 # The first poll of a wait is shorter: then Python asks whether the peer waits for this very CPU
@@ -89,6 +95,20 @@ def _wait_above(addr, floor, spin):
             return False
 
 
+def _wait(ctl, addr, floor, spin, t0):
+    """_wait_above; then, where ranks outnumber cores (ctl[YIELDS] > 0), up to that many
+    sched_yield()s within the budget, each handing the core to a rank that may be the one awaited."""
+    if _wait_above(addr, floor, spin):
+        return True
+    for _ in range(ctl[YIELDS]):
+        native_sync.call_c(ctl[YIELD_FN], 0, 0, 0, 0, 0, 0)
+        if native_sync.load_acquire(addr) > floor:
+            return True
+        if native_sync.cycles() - t0 > ctl[BUDGET]:
+            return False
+    return False
+
+
 def _slot(conns, c, nslots, slot_bytes, like, k):
     """The slot connection row c uses next, as an array of k elements of like's type."""
     addr = conns[c, SLOTS] + (conns[c, COUNT] % nslots) * slot_bytes
@@ -110,13 +130,13 @@ def _run(plan, conns, ctl, inp_array, out, i, spin):
         for j in range(nsrc):
             c = row[PEERS + j]
             want = conns[c, COUNT]
-            if not _wait_above(conns[c, WORDS] + 8 * shm.POSTED, want, spin):
+            if not _wait(ctl, conns[c, WORDS] + 8 * shm.POSTED, want, spin, t0):
                 return _stop(ctl, i, BLOCKED_RECV, c)
             if native_sync.load_acquire(conns[c, WORDS] + 8 * (shm.SIZES + want % nslots)) != nbytes:
                 return _stop(ctl, i, BAD_SIZE, c)
         for j in range(ndst):
             c = row[PEERS + maxsrc + j]
-            if not _wait_above(conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT] - nslots, spin):
+            if not _wait(ctl, conns[c, WORDS] + 8 * shm.RELEASED, conns[c, COUNT] - nslots, spin, t0):
                 return _stop(ctl, i, BLOCKED_SEND, c)
         _move(row, conns, ctl, inp, out)
         if ndst and nbytes >= STREAM_MIN:
@@ -132,7 +152,9 @@ def _run(plan, conns, ctl, inp_array, out, i, spin):
             native_sync.store_release(conns[c, WORDS] + 8 * shm.POSTED, conns[c, COUNT])
         i += 1
         if _peer_sleeps(row, conns, nsrc, ndst, maxsrc):
-            return _stop(ctl, i, WAKE, i - 1)   # Python wakes it (futex), then calls again from i
+            if ctl[FUTEX_NR] < 0:
+                return _stop(ctl, i, WAKE, i - 1)   # Python wakes it (futex), then calls again from i
+            _wake_sleepers(row, conns, nsrc, ndst, maxsrc, ctl)
         if native_sync.cycles() - t0 > ctl[BUDGET] and i < plan.shape[0]:
             return _stop(ctl, i, YIELD, -1)
     return _stop(ctl, i, DONE, -1)
@@ -181,6 +203,18 @@ def _move(row, conns, ctl, inp, out):
     for j in range(first, ndst):
         c = row[PEERS + maxsrc + j]
         _to_slot(conns, c, ctl, _slot(conns, c, nslots, slot_bytes, inp, k), value)
+
+
+def _wake_sleepers(row, conns, nsrc, ndst, maxsrc, ctl):
+    """Wake the peers that sleep on the counters the row moved (as the links' wake_peer)."""
+    for j in range(nsrc):
+        w = conns[row[PEERS + j], WORDS]
+        if native_sync.load_acquire(w + 8 * shm.SEND_SLEEPS):
+            native_sync.call_c(ctl[SYSCALL_FN], ctl[FUTEX_NR], w + 8 * shm.RELEASED, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
+    for j in range(ndst):
+        w = conns[row[PEERS + maxsrc + j], WORDS]
+        if native_sync.load_acquire(w + 8 * shm.RECV_SLEEPS):
+            native_sync.call_c(ctl[SYSCALL_FN], ctl[FUTEX_NR], w + 8 * shm.POSTED, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
 
 
 def _stop(ctl, i, status, c):
@@ -339,7 +373,7 @@ def kernel(dtype=None):
             jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
             g = globals()
             for name in ("_wait_above", "_slot", "_stop", "_copy", "_stream", "_trial_wait", "_to_slot", "_move",
-                         "_peer_sleeps"):
+                         "_peer_sleeps", "_wait", "_wake_sleepers"):
                 g[name] = jit(g[name])
             _helpers_made = True
         if dtype is None:
@@ -490,7 +524,7 @@ class NativeEngine:
             x, kind16 = self.x, native_kernels.kind16(dtype)
             ctl = np.array((0, 0, -1, x.nslots, x.slot_bytes, native_kernels.OPCODES[op],
                             kind16, x.world_size, op == "avg", self.budget,
-                            plan.maxsrc, self.stores, self.explore), np.int64)
+                            plan.maxsrc, self.stores, self.explore, *_yields_and_wakes(self.spin_s)), np.int64)
             entry = ctl, compiled_entry(warm_once(dtype)), bool(kind16)
         plan.ctls[(dtype, op)] = entry
         return entry
@@ -563,6 +597,22 @@ class NativeEngine:
             self.objs[row[PEERS + j]].wake_peer()
         for j in range(row[NDST]):
             self.objs[row[PEERS + maxsrc + j]].wake_peer()
+
+
+_libc_fns = None
+
+
+def _yields_and_wakes(spin_s: float) -> tuple:
+    """The control block's YIELDS, YIELD_FN, SYSCALL_FN, FUTEX_NR: where ranks outnumber cores
+    (no spinning: spin_s == 0) a wait yields in the loop as Backoff would in Python; the loop
+    wakes sleeping peers itself where futex is there (else FUTEX_NR < 0: Python does)."""
+    global _libc_fns
+    if _libc_fns is None:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        _libc_fns = tuple(ctypes.cast(getattr(libc, f), ctypes.c_void_p).value for f in ("sched_yield", "syscall"))
+    nr = -1 if futex.SYS_FUTEX is None else futex.SYS_FUTEX
+    return (Backoff.YIELDS_SHARED if spin_s == 0 else 0, *_libc_fns, nr)
 
 
 _warmed: dict = {}   # dtype -> its loop, compiled or loaded by this process (warm_once)

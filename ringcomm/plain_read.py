@@ -61,8 +61,14 @@ REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a c
 # against 5.0-6.6, 64 KiB 5.6-6.1 against 6.8-7.1, 128 KiB 6.9-7.2 against 11.3-12.0; all_gather
 # 16 KiB 5.0-6.3 against 5.0-5.2, 32 KiB 5.3-5.6 against 6.2-6.3, 64 KiB 6.5-6.6 against 8.2-8.6).
 CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 2 << 20, "reduce_scatter": 2 << 20}
-# With more ranks than cores: this much per rank a core holds (rounded up), copies only.
-CMA_MIN_STACKED_BYTES = {"broadcast": 512 << 10, "all_gather": 512 << 10}
+# With more ranks than cores: this much per rank a core holds (rounded up), copies only. It was
+# 512 KiB while a stacked rank's every wait went back to Python (a CMA call waits for all its
+# peers); once the compiled waits yield the core themselves (engine_native._wait, read_native.
+# _yield_until), CMA won from 256 KiB on 4 ranks on 2 cores (Intel VM, 10 ms rows alternating
+# with MPICH, two runs, CMA against FIFOs: broadcast 64 KiB 25.7 / 23.4 us against 18.9 / 22.8,
+# 256 KiB 51.1 / 46.5 against 59.6 / 64.2, 1 MiB 209 / 151 against 229 / 211; all_gather's
+# output 256 KiB 48.0 / 45.0 against 64.4 / 70.9, 1 MiB 231 / 223 against 227 / 218).
+CMA_MIN_STACKED_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10}
 # The reductions, 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place
 # (in place): all_reduce 1 MiB 170 us against 158, 2 MiB 355 against 352, 4 MiB 524 against 673,
 # 16 MiB 2089 (1574) against 2791 (2646), 64 MiB 13846 (11025) against 16190 (15897);

@@ -45,7 +45,8 @@ COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
 # peers as (start, count) in the plan's peer list.
 STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
-READV, WRITEV, SYSCALL, MEMMOVE, FUTEX, NRANKS, ME, BUDGET = range(8)   # constants()' entries
+READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET = range(11)  # constants()
+YIELD_S = 1e-3    # where ranks outnumber cores, a wait yields (YIELDS times) for at most this long in compiled code
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
 
 _sleep_flag = ctl_layout.sleep_flag   # compiled with the call (kernel())
@@ -80,16 +81,19 @@ def plan(sched, spans, size: int, me: int):
     return np.array(rows, np.int64).reshape(-1, ROW), np.array(peers or [0], np.int64)
 
 
-def constants(n: int, me: int, budget: int) -> np.ndarray:
-    """What the compiled call needs to know besides the call (indexed by READV ... BUDGET): the
-    addresses of process_vm_readv, process_vm_writev, syscall and memmove, futex's system call
-    number, then the ranks, this rank and the spin budget (cycles)."""
+def constants(n: int, me: int, budget: int, yields: int = 0) -> np.ndarray:
+    """What the compiled call needs to know besides the call (indexed by READV ... YIELD_BUDGET):
+    the addresses of process_vm_readv, process_vm_writev, syscall, memmove and sched_yield,
+    futex's system call number, then the ranks, this rank, the spin budget (cycles), and how many
+    sched_yield()s a wait makes after it (ranks outnumbering cores: 0 spin, some yields) within
+    YIELD_S."""
     global _fns
     if _fns is None:
         libc = ctypes.CDLL(None, use_errno=True)
         _fns = [ctypes.cast(getattr(libc, f), ctypes.c_void_p).value
-                for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove")]
-    return np.array(_fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget], np.int64)
+                for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove", "sched_yield")]
+    yield_budget = int(YIELD_S * native_sync.cycles_per_second()) if yields else 0
+    return np.array(_fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget, yields, yield_budget], np.int64)
 
 
 def kernel():
@@ -106,7 +110,7 @@ def kernel():
                 native_sync.drop_stale_cache(__file__, "_run_call", deps=(ctl_layout.__file__, futex.__file__))
                 jit = numba.njit(nogil=True)
                 g = globals()
-                for name in ("_wait_at_least", "_transfer", "_wake", "_sleep_flag"):
+                for name in ("_yield_until", "_wait_at_least", "_transfer", "_wake", "_sleep_flag"):
                     g[name] = jit(g[name])
                 i64, vec = types.int64, types.int64[::1]
                 sig = types.int64(types.int64[:, ::1], vec, i64, types.boolean, vec, vec, i64, vec,
@@ -118,14 +122,28 @@ def kernel():
     return _kernel
 
 
-def _wait_at_least(addr, want, budget):
-    """Poll the int64 at ``addr`` until it reaches ``want``: True, or False after ``budget`` cycles."""
+def _wait_at_least(addr, want, consts):
+    """Poll the int64 at ``addr`` until it reaches ``want``: True, or False after the spin budget
+    and then up to consts[YIELDS] sched_yield()s (within YIELD_BUDGET cycles)."""
     t0 = native_sync.cycles()
     while native_sync.load_acquire(addr) < want:
-        if native_sync.cycles() - t0 > budget:
-            return False
+        if native_sync.cycles() - t0 > consts[BUDGET]:
+            return _yield_until(addr, want, consts)
         native_sync.cpu_pause()
     return True
+
+
+def _yield_until(addr, want, consts):
+    """The rest of _wait_at_least: hand the core on (a rank this one waits for may be queued
+    behind it) and look again, consts[YIELDS] times at most, within YIELD_BUDGET cycles."""
+    t0 = native_sync.cycles()
+    for _ in range(consts[YIELDS]):
+        native_sync.call_c(consts[YIELD_FN], 0, 0, 0, 0, 0, 0)
+        if native_sync.load_acquire(addr) >= want:
+            return True
+        if native_sync.cycles() - t0 > consts[YIELD_BUDGET]:
+            break
+    return False
 
 
 def _transfer(fn, pid, local, remote, nbytes, iov):
@@ -158,7 +176,7 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
     HAND_BACK with res = (the step to go on from, whether its sync arrivals are published).
     ``consts``: constants()."""
     base = words.ctypes.data
-    n, me, budget = consts[NRANKS], consts[ME], consts[BUDGET]
+    n, me = consts[NRANKS], consts[ME]
     if start < 0:
         words[DESC], words[DESC + 1], words[DESC + 2], words[DESC + 3] = -1, ain, -1, aout
         words[DESC + 4], words[DESC + 5] = nin, nout
@@ -187,12 +205,12 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
             res[1] = 1
             for j in range(first, first + count):
                 p = speers[j]
-                if not _wait_at_least(peers[p] + 8 * (SYNC + me), syncs[p], budget):
+                if not _wait_at_least(peers[p] + 8 * (SYNC + me), syncs[p], consts):
                     return WAIT
         else:
             q, which = rows[r, PEER], rows[r, WHICH]
             there = peers[q]
-            if not _wait_at_least(there + 8 * CALLS, calls, budget):
+            if not _wait_at_least(there + 8 * CALLS, calls, consts):
                 return WAIT
             if (native_sync.load_acquire(there + 8 * (DESC + 2 * which)) != -1
                     or native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]):

@@ -95,8 +95,9 @@ def test_the_crossover_grows_with_ranks_per_core_and_reductions_need_a_core_each
     mib = 1 << 20
     for collective, least in (("broadcast", 64 << 10), ("all_gather", 32 << 10)):   # with a core a rank
         assert plain_read.wanted(collective, least, 2) and not plain_read.wanted(collective, least - 1, 2)
-        # stacked: 512 KiB a rank per core, rounded up
-        assert not plain_read.wanted(collective, mib - 1, 3) and plain_read.wanted(collective, mib, 4)
+        # stacked: 128 KiB a rank per core, rounded up
+        assert not plain_read.wanted(collective, mib // 4 - 1, 3) and plain_read.wanted(collective, mib // 4, 4)
+        assert not plain_read.wanted(collective, 3 * mib // 8 - 1, 5) and plain_read.wanted(collective, 3 * mib // 8, 6)
     for collective in ("all_reduce", "reduce_scatter"):   # 2 MiB of input, only with a core a rank
         assert plain_read.wanted(collective, 2 * mib, 2) and not plain_read.wanted(collective, 2 * mib - 1, 2)
         assert plain_read.wanted(collective, 1 << 40, 1) and not plain_read.wanted(collective, 1 << 40, 3)

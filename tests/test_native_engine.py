@@ -70,6 +70,23 @@ def test_reductions_give_the_host_kernels_bits(compiled, dtype):
                     assert g.tobytes() == w.tobytes(), (dt, n)
 
 
+def _sees_the_store(wait_for):
+    """Run ``wait_for(addr)`` (a compiled wait that gives up after 30 s) in a thread, store 1 at
+    addr from this one: whether the wait saw it."""
+    word = np.zeros(1, np.int64)
+    seen, started = [], threading.Event()
+
+    def waiter():
+        started.set()
+        seen.append(wait_for(word.ctypes.data))
+    t = threading.Thread(target=waiter)
+    t.start()
+    started.wait(10)
+    word[0] = 1
+    t.join(60)
+    return seen == [True]
+
+
 def test_a_compiled_spin_sees_the_peers_store():
     """An acquire load is re-read on every poll: a spin waiting on a word another thread stores
     returns, instead of spinning on a value LLVM hoisted out of the loop."""
@@ -78,24 +95,96 @@ def test_a_compiled_spin_sees_the_peers_store():
     from ringcomm import engine_native, native_sync
     engine_native.kernel()
     wait = engine_native._wait_above
-    word = np.zeros(1, np.int64)
     hz = native_sync.cycles_per_second()
 
     @numba.njit(nogil=True)
     def spin(addr, spin_cycles):
         return wait(addr, 0, spin_cycles)
 
-    seen, started = [], threading.Event()
+    assert _sees_the_store(lambda addr: spin(addr, int(30 * hz)))
 
-    def waiter():
-        started.set()
-        seen.append(spin(word.ctypes.data, int(30 * hz)))   # gives up after 30 s
-    t = threading.Thread(target=waiter)
-    t.start()
-    started.wait(10)
-    word[0] = 1
-    t.join(60)
-    assert seen == [True]
+
+def _waiting_loop_ctl(yields, budget_s):
+    from ringcomm import engine_native as en, native_sync
+    ctl = np.zeros(en.CTL_SIZE, np.int64)
+    ctl[en.YIELDS:en.FUTEX_NR + 1] = en._yields_and_wakes(0.0)
+    ctl[en.YIELDS], ctl[en.BUDGET] = yields, int(budget_s * native_sync.cycles_per_second())
+    return ctl
+
+
+def test_a_compiled_wait_among_more_ranks_than_cores_yields_until_the_store_or_its_budget():
+    """Where ranks outnumber cores the loop's waits do not spin: they sched_yield() (so a rank
+    queued on this core runs) and look again, until the peer's store or the budget; then Python's
+    wait takes over, as before."""
+    import numba
+
+    from ringcomm import engine_native as en, native_sync
+    en.kernel()
+    wait = en._wait
+    assert en._yields_and_wakes(0.0)[0] > 0 and en._yields_and_wakes(2e-3)[0] == 0   # spinning ranks never yield here
+
+    @numba.njit(nogil=True)
+    def waiting(ctl, addr):
+        return wait(ctl, addr, 0, 0, native_sync.cycles())
+
+    word = np.zeros(1, np.int64)
+    t0 = time.perf_counter()
+    assert not waiting(_waiting_loop_ctl(10**9, 0.002), word.ctypes.data)   # endless yields, 2 ms budget
+    assert time.perf_counter() - t0 < 1.0
+    assert not waiting(_waiting_loop_ctl(0, 30.0), word.ctypes.data)        # no yields: one look
+    ctl = _waiting_loop_ctl(10**12, 30.0)
+    assert _sees_the_store(lambda addr: waiting(ctl, addr))
+
+
+def test_the_loop_wakes_a_peer_asleep_on_a_counter_it_moved():
+    """The compiled loop wakes a sleeping peer itself (futex), instead of returning to Python for it."""
+    import numba
+
+    from ringcomm import engine_native as en
+    from ringcomm.transport import futex, shm
+    if not futex.available():
+        pytest.skip("no futex here: Python's waits sleep in plain pauses, nothing to wake")
+    en.kernel()
+    wake = en._wake_sleepers
+
+    @numba.njit(nogil=True)
+    def wake_receiver(row, conns, ctl):
+        wake(row, conns, 0, 1, 0, ctl)
+
+    header = np.zeros(64, np.int64)                  # a segment's words: the receiver sleeps on POSTED
+    header[shm.RECV_SLEEPS] = 1
+    conns = np.zeros((1, en.CONN_COLUMNS), np.int64)
+    conns[0, en.WORDS] = header.ctypes.data
+    row = np.zeros(en.PEERS + 1, np.int64)           # one destination: connection row 0
+    ctl = _waiting_loop_ctl(0, 1.0)
+    sleeper = threading.Thread(target=futex.wait, args=(header.ctypes.data + 8 * shm.POSTED, 0, 30.0))
+    t0 = time.perf_counter()
+    sleeper.start()
+    while sleeper.is_alive() and time.perf_counter() - t0 < 20:
+        wake_receiver(row, conns, ctl)               # until the sleeper is asleep and woken
+        sleeper.join(0.01)
+    assert not sleeper.is_alive() and time.perf_counter() - t0 < 20   # woken, not timed out (30 s)
+
+
+def test_a_compiled_cma_wait_among_more_ranks_than_cores_yields_within_its_budget():
+    import numba
+
+    from ringcomm import native_sync, read_native as rn
+    rn.kernel()
+    wait = rn._wait_at_least
+
+    @numba.njit(nogil=True)
+    def waiting(addr, consts):
+        return wait(addr, 1, consts)
+
+    word = np.zeros(1, np.int64)
+    consts = rn.constants(4, 0, 0, yields=10**9)
+    assert consts[rn.YIELDS] == 10**9 and consts[rn.YIELD_BUDGET] > 0
+    t0 = time.perf_counter()
+    assert not waiting(word.ctypes.data, consts)   # endless yields, YIELD_S budget
+    assert time.perf_counter() - t0 < 1.0
+    consts[rn.YIELD_BUDGET] = int(30 * native_sync.cycles_per_second())
+    assert _sees_the_store(lambda addr: waiting(addr, consts))
 
 
 def _engine_use(comm):
