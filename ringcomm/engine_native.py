@@ -392,13 +392,13 @@ def kernel(dtype=None):
 
 def _drop_stale_cache(name: str) -> None:
     """numba's disk cache is keyed on this file alone, but the compiled loop also holds code from
-    kernels/native.py, kernels/host.py and native_sync.py, and transport/shm.py's word offsets:
-    after an edit there, drop it."""
+    kernels/native.py, kernels/host.py and native_sync.py, transport/shm.py's word offsets and
+    transport/futex.py's numbers: after an edit there, drop it."""
     import pathlib
 
     native_sync.drop_stale_cache(__file__, name, [pathlib.Path(native_kernels.__file__),
                                                   pathlib.Path(native_kernels.host.__file__),
-                                                  pathlib.Path(shm.__file__)])
+                                                  pathlib.Path(shm.__file__), pathlib.Path(futex.__file__)])
 
 
 class NativePlan:
