@@ -66,8 +66,8 @@ CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 2 
 # peers); once the compiled waits yield the core themselves (engine_native._wait, read_native.
 # _yield_until), CMA won from 256 KiB on 4 ranks on 2 cores (Intel VM, 10 ms rows alternating
 # with MPICH, two runs, CMA against FIFOs: broadcast 64 KiB 25.7 / 23.4 us against 18.9 / 22.8,
-# 256 KiB 51.1 / 46.5 against 59.6 / 64.2, 1 MiB 209 / 151 against 229 / 211; all_gather's
-# output 256 KiB 48.0 / 45.0 against 64.4 / 70.9, 1 MiB 231 / 223 against 227 / 218).
+# 256 KiB 51.1 / 46.5 against 59.6 / 64.2; all_gather's output 256 KiB 48.0 / 45.0 against 64.4 /
+# 70.9; ten-run sets: broadcast 256 KiB median 48-51 against 56-58).
 CMA_MIN_STACKED_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10}
 # The reductions, 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place
 # (in place): all_reduce 1 MiB 170 us against 158, 2 MiB 355 against 352, 4 MiB 524 against 673,
