@@ -19,7 +19,8 @@ ROOTED = ("broadcast", "reduce", "gather", "scatter")
 # one that the collective does not have.
 ALGOS: dict[str, dict] = {
     "all_reduce": {"ring": ring.ring_all_reduce, "tree": tree.tree_all_reduce,
-                   "rabenseifner": recursive.rabenseifner_all_reduce, "oneshot": direct.oneshot_all_reduce},
+                   "rabenseifner": recursive.rabenseifner_all_reduce, "oneshot": direct.oneshot_all_reduce,
+                   "doubling": recursive.doubling_all_reduce},
     "reduce_scatter": {"ring": ring.ring_reduce_scatter, "halving": recursive.halving_reduce_scatter},
     "all_gather": {"ring": ring.ring_all_gather, "doubling": recursive.doubling_all_gather,
                    "bruck": direct.bruck_all_gather},

@@ -33,7 +33,10 @@ DEFAULT = {"alpha": 3.0e-5, "beta": 2.5e-10, "gamma": 4.0e-10}
 # it ranks Rabenseifner first from 4 ranks up, but ringcomm runs it chunk by chunk (no scratch)
 # and ringcomm-bench measures it slower than the ring here (docs/cost_model.md), so automatic
 # choice keeps to the algorithms whose executor cost the model tracks. Widen it at your own risk
-# (never with oneshot: its ranks combine in different orders).
+# (never with oneshot: its ranks combine in different orders). Recursive doubling ("doubling")
+# is the same story at small sizes: the model prices it a third of the ring from 4 ranks (log2 p
+# rounds against 2(p-1)), but it resends partial sums (no scratch) and on 4 ranks sharing 2 cores
+# ringcomm-bench measured it level with the ring (8 B-4 KiB: 13-27 us against 14-23, two runs).
 # all_to_all: pairwise or Bruck (fewer, larger messages: small blocks on many ranks); with packed
 # counts always a direct algorithm (vcounts.direct_algo), never the model's pick.
 AUTO = {"all_reduce": ("ring", "tree"), "reduce_scatter": ("ring",), "all_gather": ("ring",),

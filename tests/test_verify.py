@@ -25,6 +25,8 @@ def test_every_builtin_algorithm_verifies_at_1_to_9(collective, algo):
             assert set(rep.deadlocks) == set(FIFOS)
             if collective == "all_reduce" and algo == "oneshot":  # each rank starts from its own input
                 assert rep.identical_up_to_commutation == (n <= 2), rep.summary()
+            elif collective == "all_reduce" and algo == "doubling":  # partners fold a op b and b op a
+                assert rep.identical_up_to_commutation and (rep.rank_identical == (n == 1)), rep.summary()
             elif collective == "all_reduce":
                 assert rep.rank_identical, rep.summary()  # MPI: every rank gets the same bits
             if collective in ("all_reduce", "reduce", "reduce_scatter"):

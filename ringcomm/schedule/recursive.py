@@ -1,5 +1,6 @@
 """Recursive halving and doubling (Thakur, Rabenseifner and Gropp 2005; MPICH's allreduce.c):
-Rabenseifner's all_reduce, recursive-halving reduce_scatter, recursive-doubling all_gather.
+Rabenseifner's all_reduce, recursive-halving reduce_scatter, recursive-doubling all_gather, and
+the recursive-doubling all_reduce of short messages.
 
 As steps. The textbook algorithm exchanges half the vector, then a quarter, ... and keeps
 partial sums in a scratch buffer. ringcomm's steps reduce as data arrives and have no
@@ -117,6 +118,50 @@ def rabenseifner_all_reduce(rank: int, n: int) -> Schedule:
         steps.append(recv_copy_send(c, frm, dsts) if dsts else recv(c, frm))
         stages.append(st if dsts else 2 * k + 2)
     return _sched("all_reduce", "rabenseifner", rank, n, f.p2, SPLIT, SPLIT, steps, stages)
+
+
+def doubling_all_reduce(rank: int, n: int) -> Schedule:
+    """Recursive doubling, MPICH's all_reduce for short messages: at stage j every rank swaps its
+    partial sum with v ^ 2^j, so after log2(p') stages all hold the total; one chunk, the whole
+    vector in every message.
+
+    With no scratch, a step's value is its input op what it receives (step.py), so a partial sum
+    S_j (the sum over v's group of 2^j ranks) is rebuilt each time it is sent: emitting S_j
+    takes S_0 .. S_{j-1} from the partners at distance 1 .. 2^(j-1), each of which they emit in
+    turn by the same program. Emitting S_j is thus the program for S_{j-1} .. S_0 followed by one
+    recv_reduce_send, and the whole call is that program for S_k with a final recv_reduce_copy:
+    2^k steps, the vector sent 2^k - 1 times (3 steps and 3 messages a rank on 4 ranks, 7 on 8), in
+    k rounds of dependence. Every rank folds (x_v op x_partner) op (the pair's partner's pair) ...:
+    both ends of each exchange combine the same two values, so for a commutative op all ranks
+    hold the same bits. Non-power-of-two sizes fold in MPICH's way (Fold): an even rank below
+    2*rem hands its input to rank + 1 for each of that rank's steps and gets the result back."""
+    _check(rank, n)
+    if n == 1:
+        return Schedule("all_reduce", "doubling", rank, n, 1, SPLIT, SPLIT, (copy(0),))
+    f = Fold(n)
+    v, k = f.virtual(rank), f.k
+    if v is None:
+        steps = [send(0, rank + 1)] * (1 << k) + [recv(0, rank + 1)]
+        return _sched("all_reduce", "doubling", rank, n, 1, SPLIT, SPLIT, steps, [0] * (1 << k) + [k + 1])
+    extra = f.extra(v)
+    partners = f.doubling(v)
+    steps, stages = [], []
+
+    def emit(j: int) -> None:   # S_j to partners[j]; j == k: the total, into the output
+        for i in reversed(range(j)):   # S_0 last: each value is sent just before its partner takes
+            emit(i)                    # it, so a FIFO holds one message at a time (2 slots suffice)
+        srcs = ([extra] if extra is not None else []) + partners[:j]
+        if j < k:
+            steps.append(recv_reduce_send(0, srcs, partners[j]) if srcs else send(0, partners[j]))
+            stages.append(j + 1)
+        elif extra is not None:
+            steps.append(recv_reduce_copy_send(0, srcs, [extra]))
+            stages.append(k + 1)
+        else:
+            steps.append(recv_reduce_copy(0, srcs))
+            stages.append(k + 1)
+    emit(k)
+    return _sched("all_reduce", "doubling", rank, n, 1, SPLIT, SPLIT, steps, stages)
 
 
 def halving_reduce_scatter(rank: int, n: int) -> Schedule:
