@@ -95,18 +95,14 @@ def _wait_above(addr, floor, spin):
             return False
 
 
+_yield_until = native_sync.yield_until   # compiled with the other helpers (kernel())
+
+
 def _wait(ctl, addr, floor, spin, t0):
-    """_wait_above; then, where ranks outnumber cores (ctl[YIELDS] > 0), up to that many
-    sched_yield()s within the budget, each handing the core to a rank that may be the one awaited."""
-    if _wait_above(addr, floor, spin):
-        return True
-    for _ in range(ctl[YIELDS]):
-        native_sync.call_c(ctl[YIELD_FN], 0, 0, 0, 0, 0, 0)
-        if native_sync.load_acquire(addr) > floor:
-            return True
-        if native_sync.cycles() - t0 > ctl[BUDGET]:
-            return False
-    return False
+    """_wait_above; then, where ranks outnumber cores (ctl[YIELDS] > 0), sched_yield()s within the
+    loop's budget (native_sync.yield_until)."""
+    return _wait_above(addr, floor, spin) or _yield_until(addr, floor + 1, ctl[YIELD_FN], ctl[YIELDS], t0,
+                                                          ctl[BUDGET])
 
 
 def _slot(conns, c, nslots, slot_bytes, like, k):
@@ -151,29 +147,11 @@ def _run(plan, conns, ctl, inp_array, out, i, spin):
             conns[c, COUNT] += 1
             native_sync.store_release(conns[c, WORDS] + 8 * shm.POSTED, conns[c, COUNT])
         i += 1
-        if _peer_sleeps(row, conns, nsrc, ndst, maxsrc):
-            if ctl[FUTEX_NR] < 0:
-                return _stop(ctl, i, WAKE, i - 1)   # Python wakes it (futex), then calls again from i
-            _wake_sleepers(row, conns, nsrc, ndst, maxsrc, ctl)
+        if _wake_sleepers(row, conns, nsrc, ndst, maxsrc, ctl):
+            return _stop(ctl, i, WAKE, i - 1)   # Python wakes it, then calls again from i
         if native_sync.cycles() - t0 > ctl[BUDGET] and i < plan.shape[0]:
             return _stop(ctl, i, YIELD, -1)
     return _stop(ctl, i, DONE, -1)
-
-
-def _peer_sleeps(row, conns, nsrc, ndst, maxsrc):
-    """Whether a peer of this row sleeps on a counter the row just moved (transport/futex.py). The
-    fence keeps the flags' loads after the counters' stores: without it a peer that went to sleep
-    just then could miss its wake-up until its sleep times out."""
-    if nsrc + ndst == 0:
-        return False
-    native_sync.fence()
-    for j in range(nsrc):
-        if native_sync.load_acquire(conns[row[PEERS + j], WORDS] + 8 * shm.SEND_SLEEPS):
-            return True
-    for j in range(ndst):
-        if native_sync.load_acquire(conns[row[PEERS + maxsrc + j], WORDS] + 8 * shm.RECV_SLEEPS):
-            return True
-    return False
 
 
 def _move(row, conns, ctl, inp, out):
@@ -206,15 +184,21 @@ def _move(row, conns, ctl, inp, out):
 
 
 def _wake_sleepers(row, conns, nsrc, ndst, maxsrc, ctl):
-    """Wake the peers that sleep on the counters the row moved (as the links' wake_peer)."""
-    for j in range(nsrc):
-        w = conns[row[PEERS + j], WORDS]
-        if native_sync.load_acquire(w + 8 * shm.SEND_SLEEPS):
-            native_sync.call_c(ctl[SYSCALL_FN], ctl[FUTEX_NR], w + 8 * shm.RELEASED, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
-    for j in range(ndst):
-        w = conns[row[PEERS + maxsrc + j], WORDS]
-        if native_sync.load_acquire(w + 8 * shm.RECV_SLEEPS):
-            native_sync.call_c(ctl[SYSCALL_FN], ctl[FUTEX_NR], w + 8 * shm.POSTED, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
+    """Wake the peers asleep on a counter this row just moved (transport/futex.py), as the links'
+    wake_peer; True if one sleeps where futex is missing (FUTEX_NR < 0: Python's turn). The fence
+    keeps the flags' loads after the counters' stores: without it a peer that went to sleep just
+    then could miss its wake-up until its sleep times out."""
+    if nsrc + ndst == 0:
+        return False
+    native_sync.fence()
+    for j in range(nsrc + ndst):
+        w = conns[row[PEERS + j if j < nsrc else PEERS + maxsrc + j - nsrc], WORDS]
+        flag, word = (shm.SEND_SLEEPS, shm.RELEASED) if j < nsrc else (shm.RECV_SLEEPS, shm.POSTED)
+        if native_sync.load_acquire(w + 8 * flag):
+            if ctl[FUTEX_NR] < 0:
+                return True
+            native_sync.call_c(ctl[SYSCALL_FN], ctl[FUTEX_NR], w + 8 * word, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
+    return False
 
 
 def _stop(ctl, i, status, c):
@@ -373,7 +357,7 @@ def kernel(dtype=None):
             jit = numba.njit(error_model="numpy")  # LLVM inlines these small helpers into the loop
             g = globals()
             for name in ("_wait_above", "_slot", "_stop", "_copy", "_stream", "_trial_wait", "_to_slot", "_move",
-                         "_peer_sleeps", "_wait", "_wake_sleepers"):
+                         "_yield_until", "_wait", "_wake_sleepers"):
                 g[name] = jit(g[name])
             _helpers_made = True
         if dtype is None:
@@ -599,20 +583,12 @@ class NativeEngine:
             self.objs[row[PEERS + maxsrc + j]].wake_peer()
 
 
-_libc_fns = None
-
-
 def _yields_and_wakes(spin_s: float) -> tuple:
     """The control block's YIELDS, YIELD_FN, SYSCALL_FN, FUTEX_NR: where ranks outnumber cores
     (no spinning: spin_s == 0) a wait yields in the loop as Backoff would in Python; the loop
     wakes sleeping peers itself where futex is there (else FUTEX_NR < 0: Python does)."""
-    global _libc_fns
-    if _libc_fns is None:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        _libc_fns = tuple(ctypes.cast(getattr(libc, f), ctypes.c_void_p).value for f in ("sched_yield", "syscall"))
-    nr = -1 if futex.SYS_FUTEX is None else futex.SYS_FUTEX
-    return (Backoff.YIELDS_SHARED if spin_s == 0 else 0, *_libc_fns, nr)
+    return (Backoff.compiled_yields(spin_s > 0), native_sync.libc_address("sched_yield"),
+            native_sync.libc_address("syscall"), -1 if futex.SYS_FUTEX is None else futex.SYS_FUTEX)
 
 
 _warmed: dict = {}   # dtype -> its loop, compiled or loaded by this process (warm_once)

@@ -167,6 +167,34 @@ def _make():
 _hz = None
 
 
+_libc_addresses: dict = {}
+
+
+def libc_address(name: str) -> int:
+    """The address of libc's function ``name``, for call_c from compiled code (looked up once)."""
+    addr = _libc_addresses.get(name)
+    if addr is None:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        addr = _libc_addresses[name] = ctypes.cast(getattr(libc, name), ctypes.c_void_p).value
+    return addr
+
+
+def yield_until(addr, least, fn, yields, since, budget):
+    """A compiled wait's last stage where ranks outnumber cores (no spinning): call ``fn``
+    (sched_yield, by address) up to ``yields`` times, each handing the core to a rank that may be
+    the one awaited, until the int64 at ``addr`` reaches ``least``: True; False after the yields,
+    or once ``budget`` cycles have passed since ``since``. Plain Python: the modules that call it
+    compile it with their own helpers (engine_native.kernel, read_native.kernel)."""
+    for _ in range(yields):
+        call_c(fn, 0, 0, 0, 0, 0, 0)
+        if load_acquire(addr) >= least:
+            return True
+        if cycles() - since > budget:
+            return False
+    return False
+
+
 def cycles_per_second() -> float:
     """The cycle counter's rate, measured once per process over ~2 ms (a VM's TSC runs at a
     fixed rate; what matters is turning "return to Python every ~1 ms" into counter ticks)."""

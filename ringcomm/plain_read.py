@@ -64,7 +64,7 @@ CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 2 
 # With more ranks than cores: this much per rank a core holds (rounded up), copies only. It was
 # 512 KiB while a stacked rank's every wait went back to Python (a CMA call waits for all its
 # peers); once the compiled waits yield the core themselves (engine_native._wait, read_native.
-# _yield_until), CMA won from 256 KiB on 4 ranks on 2 cores (Intel VM, 10 ms rows alternating
+# _wait_at_least), CMA won from 256 KiB on 4 ranks on 2 cores (Intel VM, 10 ms rows alternating
 # with MPICH, two runs, CMA against FIFOs: broadcast 64 KiB 25.7 / 23.4 us against 18.9 / 22.8,
 # 256 KiB 51.1 / 46.5 against 59.6 / 64.2; all_gather's output 256 KiB 48.0 / 45.0 against 64.4 /
 # 70.9; ten-run sets: broadcast 256 KiB median 48-51 against 56-58).

@@ -171,7 +171,7 @@ class ReadEngine:
             self.peer_words = np.array([0 if p == reg.rank else reg.peers[p, "ctl"].base for p in range(reg.n)],
                                        np.int64)
             budget = int(min(ex._spin_s, read_native.SPIN_S) * native_sync.cycles_per_second())
-            self.consts = read_native.constants(reg.n, reg.rank, budget, Backoff.YIELDS_SHARED if ex._spin_s == 0 else 0)
+            self.consts = read_native.constants(reg.n, reg.rank, budget, Backoff.compiled_yields(ex._spin_s > 0))
             self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
             self.run_call, self.words = read_native.kernel(), reg.ctl.words
         status = self.run_call(compiled[0], compiled[1], -1, False, self.words, self.peer_words, self.calls,

@@ -26,7 +26,6 @@ so the compiled code is cached on disk like the native engine's.
 """
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import numpy as np
@@ -52,7 +51,6 @@ SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's wait
 _sleep_flag = ctl_layout.sleep_flag   # compiled with the call (kernel())
 _lock = threading.Lock()
 _kernel = None
-_fns = None
 
 
 def plan(sched, spans, size: int, me: int):
@@ -87,13 +85,10 @@ def constants(n: int, me: int, budget: int, yields: int = 0) -> np.ndarray:
     futex's system call number, then the ranks, this rank, the spin budget (cycles), and how many
     sched_yield()s a wait makes after it (ranks outnumbering cores: 0 spin, some yields) within
     YIELD_S."""
-    global _fns
-    if _fns is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        _fns = [ctypes.cast(getattr(libc, f), ctypes.c_void_p).value
-                for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove", "sched_yield")]
+    fns = [native_sync.libc_address(f) for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove",
+                                                  "sched_yield")]
     yield_budget = int(YIELD_S * native_sync.cycles_per_second()) if yields else 0
-    return np.array(_fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget, yields, yield_budget], np.int64)
+    return np.array(fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget, yields, yield_budget], np.int64)
 
 
 def kernel():
@@ -128,22 +123,13 @@ def _wait_at_least(addr, want, consts):
     t0 = native_sync.cycles()
     while native_sync.load_acquire(addr) < want:
         if native_sync.cycles() - t0 > consts[BUDGET]:
-            return _yield_until(addr, want, consts)
+            return _yield_until(addr, want, consts[YIELD_FN], consts[YIELDS], native_sync.cycles(),
+                                consts[YIELD_BUDGET])
         native_sync.cpu_pause()
     return True
 
 
-def _yield_until(addr, want, consts):
-    """The rest of _wait_at_least: hand the core on (a rank this one waits for may be queued
-    behind it) and look again, consts[YIELDS] times at most, within YIELD_BUDGET cycles."""
-    t0 = native_sync.cycles()
-    for _ in range(consts[YIELDS]):
-        native_sync.call_c(consts[YIELD_FN], 0, 0, 0, 0, 0, 0)
-        if native_sync.load_acquire(addr) >= want:
-            return True
-        if native_sync.cycles() - t0 > consts[YIELD_BUDGET]:
-            break
-    return False
+_yield_until = native_sync.yield_until   # compiled with the other helpers (kernel())
 
 
 def _transfer(fn, pid, local, remote, nbytes, iov):

@@ -288,6 +288,12 @@ class Backoff:
         self.yields = spins + (self.YIELDS if spins else self.YIELDS_SHARED)
         self.block = block or time.sleep
 
+    @classmethod
+    def compiled_yields(cls, spinning: bool) -> int:
+        """The sched_yield()s a wait makes in compiled code before Python's wait takes it
+        (engine_native, read_native): none where ranks spin, YIELDS_SHARED where they share cores."""
+        return 0 if spinning else cls.YIELDS_SHARED
+
     def stage(self, n: int) -> str:
         """What the n-th call (from 1) does: "spin", "yield" or "sleep"."""
         if n <= self.spins:
