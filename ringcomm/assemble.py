@@ -12,6 +12,7 @@ import time
 from ringcomm.transport.base import LinkContext
 
 from . import check
+from .core_balance import CoreBalance
 from .env import env_number, oversubscribed
 from .errors import RingcommError
 from .executor import Executor
@@ -100,6 +101,8 @@ def assemble(cls, rank, world_size, local_rank, store, owns_store, timeout, toke
     executor = Executor(rank, world_size, links, timeout, slot_bytes, nslots, engine=how,
                         slice_bytes=slice_bytes, spin_s=NATIVE_SPIN_S if ctx.spins else 0.0)
     executor.watchdog, watchdog.position = watchdog, executor.position
+    if roster is not None:
+        executor.balance = CoreBalance.for_host(roster.entries, rank)
     return cls(rank, world_size, local_rank, store, links, executor,
                timeout=timeout, owns_store=owns_store, prefix=ctx.prefix, roster=roster)
 

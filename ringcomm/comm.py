@@ -277,6 +277,8 @@ class Communicator:
         self._links.close()
         if self._roster is not None:
             self._roster.close()
+        if self._executor.balance is not None:
+            self._executor.balance.close()
         if self._device is not None:
             self._device.close()
         if self._registry is not None:
@@ -424,6 +426,8 @@ class Communicator:
         if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
             self._close_links()
             raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
+        if self._executor.balance is not None:  # ranks that outnumber the cores: keep them spread
+            self._executor.balance.tick()
         try:
             engine.run(sched, call)
         except RingcommError as e:

@@ -106,6 +106,11 @@ def _getcpu():
 _sched_getcpu = _getcpu()
 
 
+def current_cpu() -> int:
+    """The CPU this thread runs on now (sched_getcpu), or -1 where it cannot be told."""
+    return _sched_getcpu() if _sched_getcpu is not None else -1
+
+
 def _waits_for(stat: bytes) -> bool:
     """Whether a /proc/PID/stat line says: runnable ("R") and last placed on this thread's CPU."""
     fields = stat.rsplit(b")", 1)[-1].split()

@@ -1,0 +1,172 @@
+"""Ranks that outnumber the cores spread themselves evenly (ringcomm/core_balance.py).
+
+The unit tests stand real processes in for a rank's peers: `sleep` children pinned to a CPU,
+whose /proc/PID/stat then names that CPU as where they last ran, as a queued rank's does.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from ringcomm import core_balance
+from ringcomm.core_balance import CoreBalance
+from ringcomm.transport.base import current_cpu
+
+from harness import World
+
+CPUS = sorted(os.sched_getaffinity(0))
+needs_two = pytest.mark.skipif(len(CPUS) < 2 or current_cpu() < 0,
+                               reason="moving a rank between CPUs needs two usable CPUs and sched_getcpu")
+
+
+def _last_cpu(pid: int) -> tuple[str, int]:
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return fields[0], int(fields[36])
+
+
+@pytest.fixture
+def sleepers():
+    """sleepers(cpu, k): k sleeping children that last ran on ``cpu``; killed afterwards."""
+    procs = []
+
+    def make(cpu: int, k: int) -> list[int]:
+        for _ in range(k):
+            p = subprocess.Popen(["sleep", "120"], preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+            procs.append(p)
+            deadline = time.monotonic() + 10
+            while _last_cpu(p.pid) != ("S", cpu):  # asleep in `sleep`, on that CPU
+                assert time.monotonic() < deadline, f"sleep {p.pid} never settled on CPU {cpu}"
+                os.sched_yield()
+        return [p.pid for p in procs[-k:]]
+
+    yield make
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
+def on_cpu():
+    """on_cpu(c): put this thread on CPU c, its mask left whole (as a rank's is); restored after."""
+    def put(cpu: int) -> None:
+        os.sched_setaffinity(0, {cpu})
+        os.sched_setaffinity(0, CPUS)
+        assert current_cpu() == cpu
+    yield put
+    os.sched_setaffinity(0, CPUS)
+
+
+@needs_two
+def test_a_crowded_rank_moves_itself_to_the_emptiest_cpu(sleepers, on_cpu):
+    a, b = CPUS[:2]
+    balance = CoreBalance(sleepers(a, 2))
+    try:
+        on_cpu(a)   # three of three "ranks" on a, none on b
+        assert balance.placement(CPUS, a)[a] == 3
+        assert balance.check()
+        assert current_cpu() == b and balance.moves == 1
+        assert sorted(os.sched_getaffinity(0)) == CPUS   # the mask it had, restored
+        assert not balance.check()  # two on a, one on b: even enough, it stays
+        assert balance.moves == 1
+    finally:
+        balance.close()
+
+
+@needs_two
+def test_an_even_placement_stays(sleepers, on_cpu):
+    a, b = CPUS[:2]
+    balance = CoreBalance(sleepers(a, 1) + sleepers(b, 2))
+    try:
+        on_cpu(a)  # two on a, two on b
+        assert not balance.check() and current_cpu() == a
+        on_cpu(b)  # one on a, three on b: moves
+        assert balance.check() and current_cpu() == a
+    finally:
+        balance.close()
+
+
+@needs_two
+def test_after_a_move_the_checks_pause_and_the_pause_doubles(sleepers, monkeypatch):
+    balance = CoreBalance(sleepers(CPUS[0], 1))
+    now = [100.0]
+    monkeypatch.setattr(core_balance.time, "monotonic", lambda: now[0])
+    checks = []
+    moving = [True]
+    monkeypatch.setattr(balance, "check", lambda: checks.append(now[0]) or moving[0])
+    try:
+        balance.tick()                                     # moves: next check after HOLD_S
+        now[0] += core_balance.HOLD_S * 0.9
+        balance.tick()
+        now[0] += core_balance.HOLD_S * 0.2
+        balance.tick()                                     # moves again: next after 2 HOLD_S
+        now[0] += core_balance.HOLD_S * 1.5
+        balance.tick()
+        now[0] += core_balance.HOLD_S * 0.6
+        moving[0] = False
+        balance.tick()                                     # even: back to checks every PERIOD_S
+        now[0] += core_balance.PERIOD_S * 1.01
+        balance.tick()
+        hold, period = core_balance.HOLD_S, core_balance.PERIOD_S
+        assert checks == pytest.approx([100.0, 100.0 + hold * 1.1, 100.0 + hold * 3.2,
+                                        100.0 + hold * 3.2 + period * 1.01])
+    finally:
+        balance.close()
+
+
+def test_it_is_off_where_there_is_nothing_to_balance(sleepers, monkeypatch):
+    pid = os.getpid()
+    peers = sleepers(CPUS[0], 3)
+    entries = [{"pid": pid, "host": "h"}] + [{"pid": p, "host": "h"} for p in peers]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * len(CPUS)))   # more ranks than CPUs
+    made = CoreBalance.for_host(entries, 0)
+    try:
+        assert (made is not None) == (len(CPUS) >= 2 and current_cpu() >= 0)
+    finally:
+        if made is not None:
+            made.close()
+    monkeypatch.setenv("RINGCOMM_BALANCE", "0")
+    assert CoreBalance.for_host(entries, 0) is None
+    monkeypatch.delenv("RINGCOMM_BALANCE")
+    elsewhere = [entries[0]] + [dict(e, host="other") for e in entries[1:]]
+    assert CoreBalance.for_host(elsewhere, 0) is None            # no peer on this host
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert CoreBalance.for_host(entries, 0) is None              # a core per rank: the scheduler's job
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * len(CPUS)))
+    os.sched_setaffinity(0, {CPUS[0]})
+    try:
+        assert CoreBalance.for_host(entries, 0) is None          # bound to one CPU: the user chose
+    finally:
+        os.sched_setaffinity(0, CPUS)
+
+
+def _three_and_one(comm):
+    """Stack ranks 0-2 on one CPU and rank 3 on another, then call until the balance has spread
+    them (placement two and two) or 5 s pass; every result checked."""
+    cpus = sorted(os.sched_getaffinity(0))
+    balance = comm._executor.balance
+    os.sched_setaffinity(0, {cpus[0] if comm.rank < 3 else cpus[1]})
+    os.sched_setaffinity(0, cpus)
+    comm.barrier()
+    x = np.full(16384, comm.rank + 1, np.float32)
+    right, t0, even = True, time.monotonic(), None
+    while time.monotonic() - t0 < 5.0:
+        y = comm.all_reduce(x, out=np.empty_like(x))
+        right &= bool((y == 10).all())
+        flag = np.array([max(balance.placement(cpus[:2], current_cpu()).values()) <= 2], np.int64)
+        even = bool(comm.all_reduce(flag, "min")[0])
+        if even:
+            break
+    return balance is not None, balance.moves, right, even
+
+
+@needs_two
+@pytest.mark.skipif(len(CPUS) >= 4, reason="4 ranks do not outnumber this machine's cores")
+@pytest.mark.timeout(120)
+def test_four_ranks_on_two_cores_end_up_two_and_two():
+    with World(4, {"RINGCOMM_TRANSPORT": "shm"}, timeout=60) as w:
+        results = w.run(_three_and_one, timeout=90)
+    assert all(has and right and even for has, _, right, even in results), results
