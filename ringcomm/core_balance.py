@@ -11,13 +11,22 @@ those that ended two-and-two 1.00x, and a three-and-one placement lasted up to n
 (ftrace showed the VM's agent taking a core for 3 ms, then a rank moved and kept there).
 
 So each rank, at the start of a call and at most every PERIOD_S, reads the CPU where each of
-its host's ranks last ran (/proc/PID/stat field 39, kept open; sched_getcpu for itself). If its
-own CPU holds two or more of them more than another CPU it may use, it moves itself there:
-sched_setaffinity to that one CPU (the kernel migrates it at once), then back to its own mask
-(which leaves it where it is). Only the rank that runs moves, and it moves only itself; the
-others see the new placement at their next check. A move that the scheduler undoes (a busy
-process the ranks do not see may make three-and-one the fair placement) doubles the pause
-before the next check, up to HOLD_MAX_S; a check that finds the ranks even resets it.
+its host's ranks last ran and whether it is runnable (/proc/PID/stat fields 39 and 3, kept open;
+sched_getcpu for itself). If its own CPU has two or more runnable ranks more than another CPU it
+may use has ranks at all, it moves itself there: sched_setaffinity to that one CPU (the kernel
+migrates it at once), then back to its own mask (which leaves it where it is). Only the rank that
+runs moves, and it moves only itself; the others see the new placement at their next check. A
+sleeping rank counts where it last ran but not in the crowd: it may wake elsewhere.
+
+Why every 20 ms and not more often: a check costs ~8 us on a quiet core and ~40 us between
+stacked ranks (three preads of /proc, whose text the kernel formats), and while one rank checks
+the whole ring waits for it. Every 4 ms, 4 ranks, 1 MiB all_reduce: 469-498 us a call against
+443-465 with the balance off, and as much with the moves disabled; every 20 ms the two were level
+within the runs' noise, and no 64 KiB row ran over 2x its median in six runs of 600 rows.
+
+A move that the scheduler undoes (a busy process the ranks do not see may make three-and-one
+the fair placement) doubles the pause before the next check, from HOLD_S up to HOLD_MAX_S; a
+check that finds the ranks even resets it.
 
 Off where the ranks do not outnumber the cores, where this rank may use only one CPU
 (`ringcomm-run --bind core` pins each rank: the user chose), where /proc or sched_getcpu is
@@ -32,8 +41,8 @@ from ringcomm.transport.base import current_cpu
 
 from .env import env_switch, oversubscribed
 
-PERIOD_S = 4e-3      # between checks: 3-5 preads of ~3 us each, ~0.4% of a rank's time at most
-HOLD_S = 20e-3       # after a move, before the next check ...
+PERIOD_S = 20e-3     # between checks (see above for why not less)
+HOLD_S = 40e-3       # after a move, before the next check ...
 HOLD_MAX_S = 1.0     # ... doubled at each move in a row, up to this
 
 
@@ -74,10 +83,13 @@ class CoreBalance:
             self._next = now + PERIOD_S
             self._hold = HOLD_S
 
-    def placement(self, cpus, mine: int) -> dict[int, int]:
-        """How many of the host's ranks (this one, on CPU ``mine``, included) last ran on each of
-        ``cpus``."""
+    def placement(self, cpus, mine: int) -> tuple[int, dict[int, int]]:
+        """(crowd, count): how many of the host's ranks are runnable on CPU ``mine`` now (this
+        one, which runs there, included), and how many last ran on each of ``cpus`` whatever
+        their state. A sleeping rank's CPU is only where it last ran, not where it will wake, so
+        the crowd counts only runnable ones ("R")."""
         count = dict.fromkeys(cpus, 0)
+        crowd = 1
         if mine in count:
             count[mine] += 1
         for fd in self.fds:
@@ -85,21 +97,23 @@ class CoreBalance:
                 fields = os.pread(fd, 1024, 0).rsplit(b")", 1)[-1].split()
             except OSError:  # that rank has exited: it needs no core
                 continue
-            if len(fields) > 36 and int(fields[36]) in count:  # fields[36] is field 39, processor
-                count[int(fields[36])] += 1
-        return count
+            if len(fields) <= 36:
+                continue
+            cpu = int(fields[36])   # fields[0] is proc(5)'s field 3, state; fields[36] field 39, processor
+            if cpu in count:
+                count[cpu] += 1
+            crowd += cpu == mine and fields[0] == b"R"
+        return crowd, count
 
     def check(self) -> bool:
-        """Move this rank to the least crowded CPU if its own holds two or more ranks more; True
-        if it moved."""
+        """Move this rank to the least crowded CPU it may use if it should (``target``); True if it moved."""
         cpus = os.sched_getaffinity(0)  # read each time: the program may have changed it (~1 us)
         mine = current_cpu()
-        count = self.placement(cpus, mine)
-        target = min(sorted(count), key=count.__getitem__)
-        if mine not in count or count[mine] < count[target] + 2:
+        where = target(mine, *self.placement(cpus, mine))
+        if where is None:
             return False
         try:
-            os.sched_setaffinity(0, {target})
+            os.sched_setaffinity(0, {where})
         except OSError:  # the CPU went offline, or a cgroup forbids it: stay
             return False
         finally:
@@ -111,3 +125,14 @@ class CoreBalance:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+
+def target(mine: int, crowd: int, count: dict[int, int]) -> int | None:
+    """Where a rank on CPU ``mine`` should move, given ``crowd`` ranks runnable there (itself
+    included) and ``count`` ranks last placed on each CPU it may use: the CPU with the fewest,
+    if that is two or more fewer than the crowd (one fewer would only swap the two CPUs' loads),
+    else None."""
+    if mine not in count:
+        return None
+    least = min(sorted(count), key=count.__getitem__)
+    return least if crowd >= count[least] + 2 else None

@@ -1,7 +1,7 @@
 """Ranks that outnumber the cores spread themselves evenly (ringcomm/core_balance.py).
 
 The unit tests stand real processes in for a rank's peers: `sleep` children pinned to a CPU,
-whose /proc/PID/stat then names that CPU as where they last ran, as a queued rank's does.
+whose /proc/PID/stat then names that CPU as where they last ran and says they sleep.
 """
 from __future__ import annotations
 
@@ -61,30 +61,40 @@ def on_cpu():
 
 
 @needs_two
-def test_a_crowded_rank_moves_itself_to_the_emptiest_cpu(sleepers, on_cpu):
+def test_placement_reads_where_each_rank_last_ran_and_who_is_runnable(sleepers, on_cpu):
     a, b = CPUS[:2]
-    balance = CoreBalance(sleepers(a, 2))
+    balance = CoreBalance(sleepers(a, 2) + sleepers(b, 1))
     try:
-        on_cpu(a)   # three of three "ranks" on a, none on b
-        assert balance.placement(CPUS, a)[a] == 3
-        assert balance.check()
-        assert current_cpu() == b and balance.moves == 1
-        assert sorted(os.sched_getaffinity(0)) == CPUS   # the mask it had, restored
-        assert not balance.check()  # two on a, one on b: even enough, it stays
-        assert balance.moves == 1
+        on_cpu(a)
+        crowd, count = balance.placement(CPUS, a)
+        assert count == {**dict.fromkeys(CPUS, 0), a: 3, b: 1}
+        assert crowd == 1   # the sleepers on a wait for no core: only this thread runs there
     finally:
         balance.close()
 
 
+def test_the_rule_moves_only_off_a_cpu_two_runnable_ranks_more_crowded():
+    assert core_balance.target(0, 3, {0: 3, 1: 1}) == 1        # three and one: move
+    assert core_balance.target(0, 4, {0: 4, 1: 0, 2: 1}) == 1  # to the emptiest
+    assert core_balance.target(0, 2, {0: 2, 1: 2}) is None     # even
+    assert core_balance.target(0, 3, {0: 3, 1: 2}) is None     # one more: a move would only swap them
+    assert core_balance.target(0, 1, {0: 3, 1: 1}) is None     # the others on 0 sleep
+    assert core_balance.target(5, 3, {0: 0, 1: 0}) is None     # this CPU is not one it may use
+
+
 @needs_two
-def test_an_even_placement_stays(sleepers, on_cpu):
+def test_a_crowded_rank_moves_itself_and_keeps_its_mask(sleepers, on_cpu, monkeypatch):
     a, b = CPUS[:2]
-    balance = CoreBalance(sleepers(a, 1) + sleepers(b, 2))
+    balance = CoreBalance(sleepers(a, 1))
     try:
-        on_cpu(a)  # two on a, two on b
-        assert not balance.check() and current_cpu() == a
-        on_cpu(b)  # one on a, three on b: moves
-        assert balance.check() and current_cpu() == a
+        on_cpu(a)
+        monkeypatch.setattr(balance, "placement", lambda cpus, mine: (3, {**dict.fromkeys(cpus, 1), a: 3, b: 0}))
+        assert balance.check()
+        assert current_cpu() == b and balance.moves == 1
+        assert sorted(os.sched_getaffinity(0)) == CPUS   # the mask it had, restored
+        monkeypatch.undo()
+        assert not balance.check()  # for real now: one sleeper on a, this thread on b
+        assert current_cpu() == b and balance.moves == 1
     finally:
         balance.close()
 
@@ -156,7 +166,7 @@ def _three_and_one(comm):
     while time.monotonic() - t0 < 5.0:
         y = comm.all_reduce(x, out=np.empty_like(x))
         right &= bool((y == 10).all())
-        flag = np.array([max(balance.placement(cpus[:2], current_cpu()).values()) <= 2], np.int64)
+        flag = np.array([max(balance.placement(cpus[:2], current_cpu())[1].values()) <= 2], np.int64)
         even = bool(comm.all_reduce(flag, "min")[0])
         if even:
             break
