@@ -61,11 +61,11 @@ class _Plan:
     step reduces, each step's spans, and read_native's rows (made at the first call that can run
     compiled; None where a step reduces; False until then). A call then costs no chunk arithmetic."""
 
-    __slots__ = ("sched", "reduces", "spans", "native")
+    __slots__ = ("sched", "reduces", "spans", "native", "in_place")
 
-    def __init__(self, sched, m: int):
+    def __init__(self, sched, m: int, in_place: bool):
         self.sched, self.reduces = sched, any(step.reduces for step in sched.steps)
-        self.spans, self.native = step_spans(sched, m), False
+        self.spans, self.native, self.in_place = step_spans(sched, m), False, in_place
 
 
 class ReadLane:
@@ -120,7 +120,7 @@ class ReadEngine:
             aout = ain if call.out is call.inp else address(call.out)
         self.calls += 1
         start, arrived = 0, False
-        plan = self._plan(sched, call)
+        plan = self._plan(sched, call, ain, aout)
         compiled = self._compiled(ex, plan, call)
         if compiled is not None:   # the whole call in compiled code, or up to where Python goes on
             start, arrived = self._run_compiled(ex, compiled, ain, aout, call)
@@ -147,7 +147,8 @@ class ReadEngine:
     def lane(self, ex, sched, call) -> ReadLane | None:
         """A known call's lane into the compiled path (see ReadLane), where it has one: a call like
         this one ran there before."""
-        plan = self._plan(sched, call)
+        ain = address(call.inp)
+        plan = self._plan(sched, call, ain, ain if call.out is call.inp else address(call.out))
         if self.run_call is None or self._compiled(ex, plan, call) is None:
             return None
         return ReadLane(self, ex, plan, len(sched.steps))
@@ -160,7 +161,8 @@ class ReadEngine:
         if ex.native is None or not reg.cma or reg.mine or call.out.nbytes >= stream_copy.STREAM_MIN_BYTES:
             return None
         if plan.native is False:
-            plan.native = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank)
+            plan.native = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank,
+                                           pieces=not plan.in_place)
         return plan.native
 
     def _run_compiled(self, ex, compiled, ain: int, aout: int, call):
@@ -182,28 +184,57 @@ class ReadEngine:
         self.handed_back += 1
         return int(self.res[0]), bool(self.res[1])
 
-    def _plan(self, sched, call) -> _Plan:
-        """This schedule's _Plan for the call's shape, from the cache (keyed by identity, and
-        checked: a recycled id never returns another schedule's plan)."""
-        key = (id(sched), call.m, call.inp.itemsize)
+    def _plan(self, sched, call, ain: int, aout: int) -> _Plan:
+        """This schedule's _Plan for the call's shape and whether its input lies in its output (in
+        place), from the cache (keyed by identity, and checked: a recycled id never returns
+        another schedule's plan)."""
+        in_place = aout <= ain < aout + call.out.nbytes
+        key = (id(sched), call.m, call.inp.itemsize, in_place)
         got = self.plans.get(key)
         if got is None or got.sched is not sched:
             if len(self.plans) >= 64:
                 self.plans.clear()
-            got = self.plans[key] = _Plan(sched, call.m)
+            got = self.plans[key] = _Plan(sched, call.m, in_place)
         return got
 
     def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, spans, start: int = 0,
                arrived: bool = False) -> None:
         """The steps from ``start`` (where the compiled path handed over; ``arrived``: that step is a
         sync whose arrivals it published)."""
-        for i in range(start, len(sched.steps)):
-            step = sched.steps[i]
+        steps, i = sched.steps, start
+        while i < len(steps):
+            step = steps[i]
             ex._step = i
             if step.kind == "sync":
                 self._sync(ex, call, step.remote, arrived and i == start)
+            elif step.writes and (j := _copy_after_writes(steps, spans, i)):
+                self._write_then_copy(ex, call, [q for s in steps[i:j] for q in s.remote], views, ain, aout,
+                                      spans[i][0], spans[i][1], [spans[w][2] for w in range(i, j)], spans[j][2])
+                i = j
             else:
                 self._step(ex, call, step, fn, views, ain, aout, *spans[i])
+            i += 1
+
+    def _write_then_copy(self, ex, call, peers, views, ain: int, aout: int, io: int, k: int, there, oo: int):
+        """All_gather's writes of this rank's input block [io, io+k) to each of ``peers`` (at
+        their output offsets ``there``), then its copy to this output at ``oo``, taken a piece at
+        a time (read_native.interleaved): the copy reads each piece from cache. In place there
+        is no copy, and the block goes in one write (a system call per piece cost 5-9%)."""
+        size = call.inp.itemsize
+        dsts = [self._view(ex, call, q, "out", views, "write into") for q in peers]
+        onto_itself = aout + oo * size == ain + io * size
+        piece = k if onto_itself else max(1, read_native.WRITE_PIECE_BYTES // size)
+        whole = k * size
+        for a in range(0, k, piece):
+            b = min(k, a + piece)
+            src = call.inp[io + a:io + b]
+            for dst, t in zip(dsts, there):
+                if isinstance(dst, Remote):
+                    self._cma(ex, call, dst[t + a:t + b], src, writing=True)
+                else:
+                    stream_copy.copy(dst[t + a:t + b], src, whole)
+            if not onto_itself:
+                stream_copy.copy(call.out[oo + a:oo + b], src, whole)
 
     def _where(self, arr, addr: int) -> tuple[int, int]:
         """(allocation index, offset) of a registered buffer; (-1, address) of a plain one at ``addr``."""
@@ -348,3 +379,14 @@ class ReadEngine:
             if theirs[SYNC + me] < want:
                 self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(
                     e, f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"), ex, SYNC + me)
+
+
+def _copy_after_writes(steps, spans, i: int) -> int:
+    """Where steps i, i+1, ... write one input block to a peer each and the next step copies that
+    block here (all_gather's read schedule), that copy step's index; else 0."""
+    j = i
+    while j < len(steps) and steps[j].writes and spans[j][:2] == spans[i][:2]:
+        j += 1
+    if j < len(steps) and j > i and steps[j].kind == "copy" and spans[j][:2] == spans[i][:2]:
+        return j
+    return 0

@@ -45,6 +45,12 @@ COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
 STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
 READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET = range(11)  # constants()
+# all_gather writes its block to each peer and copies it here a piece at a time (interleaved): the
+# copy reads the piece from cache. Two processes each moving their half of an all_gather's output
+# (/work/notes/s19/cmapush2.py): 16 MiB 1243 us reading the peer's block by CMA, then copying its
+# own; writing its own by CMA and copying it in 1 MiB pieces 1111, in 256 KiB pieces 1162 (a
+# system call per piece); 64 MiB 6654 against 6050 and 6541.
+WRITE_PIECE_BYTES = 1 << 20
 YIELD_S = 1e-3    # where ranks outnumber cores, a wait yields (YIELDS times) for at most this long in compiled code
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
 
@@ -53,10 +59,11 @@ _lock = threading.Lock()
 _kernel = None
 
 
-def plan(sched, spans, size: int, me: int):
+def plan(sched, spans, size: int, me: int, pieces: bool = True):
     """The rows of a copy-only read schedule, from its steps' element spans (read_engine.step_spans:
     input offset, length, output offset) and the element size; None where a step reduces (those
-    stay in read_engine.py)."""
+    stay in read_engine.py). ``pieces``: interleave writes and copies (interleaved); not for a call
+    in place, whose copy is none."""
     rows, peers = [], []
     for i, step in enumerate(sched.steps):
         if step.kind == "sync":
@@ -76,7 +83,40 @@ def plan(sched, spans, size: int, me: int):
             rows.append((i, COPY, -1, 0, io, oo, nbytes, 0, 0))
         else:
             rows.append((i, READ, step.remote[0], 0, io, oo, nbytes, 0, 0))
+    rows = interleaved(rows) if pieces else rows
     return np.array(rows, np.int64).reshape(-1, ROW), np.array(peers or [0], np.int64)
+
+
+def interleaved(rows: list) -> list:
+    """The rows, with each run of writes of one input block (to one peer each) followed by the
+    local copy of that block (all_gather: its write_copy steps, then its copy) cut into
+    WRITE_PIECE_BYTES pieces taken in turn: write the piece to each peer, then copy it here while
+    it is in cache. Every piece is numbered the run's first step, so a call handed back to Python
+    mid-run goes on from there (the run's writes and copy again: the same bytes to the same places)."""
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j][KIND] == WRITE and rows[j][HERE] == rows[i][HERE] \
+                and rows[j][NBYTES] == rows[i][NBYTES]:
+            j += 1
+        if j == i or j == len(rows) or not _copies_block(rows[j], rows[j - 1]):
+            out.append(rows[i])
+            i += 1
+            continue
+        first, copy, nbytes = rows[i][STEP], rows[j], rows[j][NBYTES]
+        for a in range(0, nbytes, WRITE_PIECE_BYTES):
+            k = min(WRITE_PIECE_BYTES, nbytes - a)
+            out.extend((first,) + w[KIND:THERE] + (w[THERE] + a, w[HERE] + a, k) + w[SPEERS:] for w in rows[i:j])
+            out.append((first,) + copy[KIND:THERE] + (copy[THERE] + a, copy[HERE] + a, k) + copy[SPEERS:])
+        i = j + 1
+    return out
+
+
+def _copies_block(copy: tuple, write: tuple) -> bool:
+    """Whether ``copy`` is a COPY row (input offset, output offset) of the input block that
+    ``write`` (a WRITE row: the peer's output offset, input offset) wrote, as the next step."""
+    return (copy[KIND] == COPY and copy[STEP] == write[STEP] + 1 and copy[THERE] == write[HERE]
+            and copy[NBYTES] == write[NBYTES])
 
 
 def constants(n: int, me: int, budget: int, yields: int = 0) -> np.ndarray:

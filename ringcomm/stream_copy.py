@@ -40,9 +40,10 @@ def enabled() -> bool:
     return env_switch("RINGCOMM_STREAM_COPY") and X86
 
 
-def copy(out: np.ndarray, src: np.ndarray) -> None:
-    """out[...] = src (same shape and dtype), streamed when it is big, contiguous and not overlapping."""
-    if (out.nbytes < STREAM_MIN_BYTES or not kernel() or out.shape != src.shape or out.dtype != src.dtype
+def copy(out: np.ndarray, src: np.ndarray, whole: int = 0) -> None:
+    """out[...] = src (same shape and dtype), streamed when it is big (or a piece of a copy of
+    ``whole`` bytes that is), contiguous and not overlapping."""
+    if (max(out.nbytes, whole) < STREAM_MIN_BYTES or not kernel() or out.shape != src.shape or out.dtype != src.dtype
             or not (out.flags.c_contiguous and src.flags.c_contiguous) or np.may_share_memory(out, src)):
         out[...] = src
         return

@@ -170,3 +170,34 @@ def test_a_synced_write_over_an_input_read_later_names_the_writer():
     assert F.RACE not in e.value.kinds, e.value
     raw = [f for f in e.value.failures if f.kind == F.READ_AFTER_WRITE]
     assert any("after rank 0's step 1 write_copy(1, writes=[1]) wrote" in f.detail for f in raw), e.value
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_read_all_gather_writes_its_block_and_the_engine_takes_it_in_pieces(n):
+    """schedule/onecopy.py's all_gather writes (the owner reads its block once: docs/06, "The
+    ceiling"); read_native cuts the writes and the copy into alternating pieces, each numbered the
+    first write's step, unless the call is in place (its copy is none)."""
+    from ringcomm import read_engine, read_native as rn
+    from ringcomm.schedule.onecopy import read_all_gather
+    scheds = [read_all_gather(r, n) for r in range(n)]
+    check("all_gather", scheds)
+    report = ringcomm.algorithms.verify("all_gather", scheds, n, 1000)
+    assert report.failures == [] and report.postcondition is None
+    r = n - 1
+    kinds = [s.kind for s in scheds[r].steps]
+    assert kinds == ["write_copy"] * (n - 1) + ["copy", "sync"]
+    m = (5 * rn.WRITE_PIECE_BYTES) // 2 // 4 + 3            # float32: 2.5 pieces and 12 bytes
+    rows, _ = rn.plan(scheds[r], read_engine.step_spans(scheds[r], m), 4, r)
+    pieces = [rows[i:i + n] for i in range(0, len(rows) - 1, n)]
+    assert len(pieces) == 3 and rows[-1][rn.KIND] == rn.SYNC_STEP
+    for a, piece in enumerate(pieces):
+        assert [row[rn.KIND] for row in piece] == [rn.WRITE] * (n - 1) + [rn.COPY]
+        assert all(row[rn.STEP] == 0 for row in piece)
+        start, want = a * rn.WRITE_PIECE_BYTES, min(rn.WRITE_PIECE_BYTES, 4 * m - a * rn.WRITE_PIECE_BYTES)
+        assert all(row[rn.NBYTES] == want for row in piece)
+        assert all(row[rn.HERE] == start for row in piece[:-1]) and piece[-1][rn.THERE] == start
+    whole, _ = rn.plan(scheds[r], read_engine.step_spans(scheds[r], m), 4, r, pieces=False)
+    assert [row[rn.KIND] for row in whole] == [rn.WRITE] * (n - 1) + [rn.COPY, rn.SYNC_STEP]
+    broadcast = read_broadcast(0, n, 0)   # the root writes one chunk and copies others: no pairs
+    spans = read_engine.step_spans(broadcast, m)
+    assert (rn.plan(broadcast, spans, 4, 0)[0] == rn.plan(broadcast, spans, 4, 0, pieces=False)[0]).all()

@@ -12,7 +12,10 @@ the call while a peer may still read its buffers.
   in the first phase rank r writes only its chunk r, which no peer reads then (they read their
   own chunks of r's input); in the second it writes chunks the peers do not read.
 - reduce_scatter: rank r reduces block r of every rank's input into its output; sync.
-- all_gather: rank r copies its own block, then block q straight from rank q's input; sync.
+- all_gather: rank r writes its own block straight into every peer's output (write_copy), then
+  copies it into its own; sync. The engine takes the two steps a piece at a time (a write, then
+  the copy of the same piece while it is in cache), so the block is read from memory once where
+  reading the peers' blocks would read every block from memory.
 - broadcast: the buffer is cut into n chunks; reader r copies every chunk but chunk r from the
   root's buffer while the root writes chunk r straight into reader r's buffer (write_copy), so
   two cores fill a 2-rank broadcast's buffer, a half each; the root syncs with each reader, the
@@ -50,7 +53,7 @@ def read_all_gather(rank: int, n: int) -> Schedule:
     if n == 1:
         return Schedule("all_gather", ALGO, rank, n, 1, OWN, BLOCK, (copy(0),))
     others = _others(rank, n)
-    steps = (copy(rank), *(read_copy(q, q) for q in others), sync(others))
+    steps = (*(write_copy(rank, q) for q in others), copy(rank), sync(others))
     return Schedule("all_gather", ALGO, rank, n, n, OWN, BLOCK, steps)
 
 
