@@ -46,10 +46,10 @@ STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
 READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET = range(11)  # constants()
 # all_gather writes its block to each peer and copies it here a piece at a time (interleaved): the
-# copy reads the piece from cache. Two processes each moving their half of an all_gather's output
-# (/work/notes/s19/cmapush2.py): 16 MiB 1243 us reading the peer's block by CMA, then copying its
-# own; writing its own by CMA and copying it in 1 MiB pieces 1111, in 256 KiB pieces 1162 (a
-# system call per piece); 64 MiB 6654 against 6050 and 6541.
+# copy reads the piece from cache. Two processes each moving their half of an all_gather's output,
+# numpy and CMA only: 16 MiB 1243 us reading the peer's block by CMA, then copying its own;
+# writing its own by CMA and copying it in 1 MiB pieces 1111, in 256 KiB pieces 1162 (a system
+# call per piece); 64 MiB 6654 against 6050 and 6541 (docs/06, "The ceiling").
 WRITE_PIECE_BYTES = 1 << 20
 YIELD_S = 1e-3    # where ranks outnumber cores, a wait yields (YIELDS times) for at most this long in compiled code
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
