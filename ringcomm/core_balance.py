@@ -29,8 +29,9 @@ the fair placement) doubles the pause before the next check, from HOLD_S up to H
 check that finds the ranks even resets it.
 
 Off where the ranks do not outnumber the cores, where this rank may use only one CPU
-(`ringcomm-run --bind core` pins each rank: the user chose), where /proc or sched_getcpu is
-missing, and with RINGCOMM_BALANCE=0.
+(`ringcomm-run --bind core` pins each rank: the user chose), on a communicator that holds only
+some of the host's ranks (LOCAL_WORLD_SIZE; a `split`: it would count too few), where /proc or
+sched_getcpu is missing, and with RINGCOMM_BALANCE=0.
 """
 from __future__ import annotations
 
@@ -66,6 +67,8 @@ class CoreBalance:
             return None
         if len(os.sched_getaffinity(0)) < 2 or not oversubscribed(len(peers) + 1):
             return None
+        if len(peers) + 1 < int(os.environ.get("LOCAL_WORLD_SIZE") or 0):
+            return None  # a split that holds some of the host's ranks: it cannot see all who compete
         try:
             return cls(peers)
         except OSError:  # no /proc here, or a peer already gone: nothing to balance
