@@ -105,6 +105,42 @@ def test_stalled_rank_shows_in_the_table():
         assert re.search(rf"^\s+{victim}\s+no answer", tables[0], re.M), tables[0]
 
 
+def _joined(comm):
+    return comm.rank   # the communicator exists (ringcomm.init returned); no link is made yet
+
+
+def _first_all_reduce(comm):
+    try:
+        comm.all_reduce(np.ones(1000, np.float32), algo="ring")
+    except ringcomm.RingcommError as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.timeout(90)
+def test_a_rank_stalled_before_its_links_exist_shows_in_the_table():
+    """Links are made at first use: a peer stopped before then fails the connection, not a
+    wait, and that timeout names the call and brings the table as a wait's does."""
+    n, victim = 3, 2
+    with World(n, FAULT_ENV, timeout=TIMEOUT) as world:
+        assert world.run(_joined, timeout=60) == list(range(n))
+        os.kill(world.procs[victim].pid, signal.SIGSTOP)
+        try:
+            survivors = [r for r in range(n) if r != victim]
+            world.start(_first_all_reduce, ranks=survivors)
+            answers = world.collect(survivors, TIMEOUT * 3 + 10)
+        finally:
+            world.procs[victim].kill()
+        _assert_clear_errors(answers, victim)
+        texts = [text for _, text in answers.values()]
+        # rank 0 receives from rank 2 (the ring 0 -> 1 -> 2 -> 0): its connection waits for rank 2
+        assert "timed out" in answers[0][1] and "could not connect to rank 2 (recv, for all_reduce #1)" \
+            in answers[0][1], answers[0][1]
+        tables = [t for t in texts if "where every rank was" in t]
+        assert len(tables) == 1, texts
+        assert re.search(rf"^\s+{victim}\s+no answer", tables[0], re.M), tables[0]
+
+
 def _mismatched(comm):
     x = np.ones(999 if comm.rank == 1 else 1000, np.float32)
     try:
