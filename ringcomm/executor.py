@@ -31,6 +31,7 @@ from ringcomm.transport.base import Aborted, PeerGone, PeerTimeout
 
 from .errors import CollectiveTimeout, PeerFailure, RingcommError
 from .schedule.step import SPLIT, Schedule, chunk_span
+from .watchdog import told
 
 
 _NO_PLAN = (None, None)  # (owner, plan) of a plan not made yet
@@ -268,8 +269,7 @@ class Executor:
         else:
             kind, state = PeerFailure, "failed"
             msg = f"{me} failed {doing} rank {e.peer} over {e.transport}: {e}"
-        table = self.watchdog.on_failure(state, msg) if self.watchdog is not None else ""
-        return kind(f"{msg}\nwhere every rank was:\n{table}" if table else msg)
+        return told(self.watchdog, kind, state, msg)
 
     def position(self) -> dict:
         """Where this rank is now (for the watchdog)."""

@@ -19,6 +19,7 @@ from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout,
 
 from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreError,
                      StoreTimeout)
+from .watchdog import told
 
 TRANSPORTS = ("shm", "tcp", "ibverbs")
 
@@ -143,24 +144,19 @@ class Links:
             deadline = time.monotonic() + self.timeout
             return t.connect_send(peer, deadline) if direction == "send" else t.connect_recv(peer, deadline)
         except (PeerTimeout, StoreTimeout) as e:
-            raise self._told(CollectiveTimeout, "timed out", f"rank {self.ctx.rank} (this process) timed out "
-                             f"after {self.timeout:g} s: could not connect to rank {peer} ({direction}"
-                             f"{self._purpose()}) over {name} within the timeout of this communicator: {e}") from None
+            raise told(self.ctx.watchdog, CollectiveTimeout, "timed out",
+                       f"rank {self.ctx.rank} (this process) timed out after {self.timeout:g} s: could not connect "
+                       f"to rank {peer} ({direction}{self._purpose()}) over {name} within the timeout of this "
+                       f"communicator: {e}") from None
         except Aborted as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) was aborted while connecting to rank "
                                 f"{peer} ({direction}{self._purpose()}) over {name}: {e}") from None
         except (PeerGone, StoreError) as e:
-            raise self._told(PeerFailure, "failed", f"rank {self.ctx.rank} (this process) could not connect to "
-                             f"rank {peer} ({direction}{self._purpose()}) over {name}: {e}") from None
+            raise told(self.ctx.watchdog, PeerFailure, "failed", f"rank {self.ctx.rank} (this process) could not "
+                       f"connect to rank {peer} ({direction}{self._purpose()}) over {name}: {e}") from None
         except (OSError, ImportError, LookupError) as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                 f"({direction}{self._purpose()}) over {name}: {e}") from e
-
-    def _told(self, kind, state: str, msg: str) -> RingcommError:
-        """The error for a connection that failed mid-call, told to the watchdog as a failed wait
-        is (executor._explain): the first rank to time out adds where every rank was."""
-        table = self.ctx.watchdog.on_failure(state, msg) if self.ctx.watchdog is not None else ""
-        return kind(f"{msg}\nwhere every rank was:\n{table}" if table else msg)
 
     def _purpose(self) -> str:
         return f", for {self.call.name} #{self.call.seq}" if self.call is not None else ""

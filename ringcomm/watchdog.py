@@ -20,6 +20,14 @@ from .errors import RingcommError
 GATHER_SECONDS = 3.0  # how long the first rank waits for the others' positions
 
 
+def told(watchdog, kind, state: str, msg: str) -> RingcommError:
+    """The error ``kind(msg)`` for a rank that failed ("timed out", "aborted" or "failed"), told
+    to ``watchdog`` (None: no watchdog): the first rank to time out adds where every rank was.
+    A failed wait (executor._explain) and a failed connection (links.Links._connect) end so."""
+    table = watchdog.on_failure(state, msg) if watchdog is not None else ""
+    return kind(f"{msg}\nwhere every rank was:\n{table}" if table else msg)
+
+
 class Watchdog:
     def __init__(self, rank: int, world_size: int, store, prefix: str):
         self.rank, self.world_size, self.store = rank, world_size, store
