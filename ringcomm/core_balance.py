@@ -38,7 +38,7 @@ from __future__ import annotations
 import os
 import time
 
-from ringcomm.transport.base import current_cpu
+from ringcomm.transport.base import CpuWatch, current_cpu
 
 from .env import env_switch, oversubscribed
 
@@ -52,7 +52,9 @@ class CoreBalance:
     ``peers``: the pids of the other ranks on this host."""
 
     def __init__(self, peers: list[int]):
-        self.fds = [os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC) for pid in peers]
+        self.watches = [(pid, CpuWatch()) for pid in peers]
+        for pid, watch in self.watches:
+            watch.where(pid)      # opens its stat file now: OSError where /proc or the peer is missing
         self.moves = 0            # how many times this rank moved itself (read by tests and benchmarks)
         self._next = 0.0          # time.monotonic() of the next check
         self._hold = HOLD_S
@@ -95,17 +97,14 @@ class CoreBalance:
         crowd = 1
         if mine in count:
             count[mine] += 1
-        for fd in self.fds:
+        for pid, watch in self.watches:
             try:
-                fields = os.pread(fd, 1024, 0).rsplit(b")", 1)[-1].split()
+                state, cpu = watch.where(pid)
             except OSError:  # that rank has exited: it needs no core
                 continue
-            if len(fields) <= 36:
-                continue
-            cpu = int(fields[36])   # fields[0] is proc(5)'s field 3, state; fields[36] field 39, processor
             if cpu in count:
                 count[cpu] += 1
-            crowd += cpu == mine and fields[0] == b"R"
+            crowd += cpu == mine and state == b"R"
         return crowd, count
 
     def check(self) -> bool:
@@ -125,9 +124,9 @@ class CoreBalance:
         return True
 
     def close(self) -> None:
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        for _, watch in self.watches:
+            watch.close()
+        self.watches = []
 
 
 def target(mine: int, crowd: int, count: dict[int, int]) -> int | None:
