@@ -207,7 +207,7 @@ class ReadEngine:
             ex._step = i
             if step.kind == "sync":
                 self._sync(ex, call, step.remote, arrived and i == start)
-            elif step.writes and (j := _copy_after_writes(steps, spans, i)):
+            elif step.writes and (j := read_native.write_then_copy(steps, spans, i)):
                 self._write_then_copy(ex, call, [q for s in steps[i:j] for q in s.remote], views, ain, aout,
                                       spans[i][0], spans[i][1], [spans[w][2] for w in range(i, j)], spans[j][2])
                 i = j
@@ -218,7 +218,7 @@ class ReadEngine:
     def _write_then_copy(self, ex, call, peers, views, ain: int, aout: int, io: int, k: int, there, oo: int):
         """All_gather's writes of this rank's input block [io, io+k) to each of ``peers`` (at
         their output offsets ``there``), then its copy to this output at ``oo``, taken a piece at
-        a time (read_native.interleaved): the copy reads each piece from cache. In place there
+        a time (read_native.write_then_copy): the copy reads each piece from cache. In place there
         is no copy, and the block goes in one write (a system call per piece cost 5-9%)."""
         size = call.inp.itemsize
         dsts = [self._view(ex, call, q, "out", views, "write into") for q in peers]
@@ -380,13 +380,3 @@ class ReadEngine:
                 self.reg.wait(p, lambda: theirs[SYNC + me] >= want, lambda e: ex._explain(
                     e, f"waiting at sync {want} of {call.name} #{call.seq} (registered buffers) for"), ex, SYNC + me)
 
-
-def _copy_after_writes(steps, spans, i: int) -> int:
-    """Where steps i, i+1, ... write one input block to a peer each and the next step copies that
-    block here (all_gather's read schedule), that copy step's index; else 0."""
-    j = i
-    while j < len(steps) and steps[j].writes and spans[j][:2] == spans[i][:2]:
-        j += 1
-    if j < len(steps) and j > i and steps[j].kind == "copy" and spans[j][:2] == spans[i][:2]:
-        return j
-    return 0

@@ -45,7 +45,7 @@ COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
 STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
 READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET = range(11)  # constants()
-# all_gather writes its block to each peer and copies it here a piece at a time (interleaved): the
+# all_gather writes its block to each peer and copies it here a piece at a time (write_then_copy): the
 # copy reads the piece from cache. Two processes each moving their half of an all_gather's output,
 # numpy and CMA only: 16 MiB 1243 us reading the peer's block by CMA, then copying its own;
 # writing its own by CMA and copying it in 1 MiB pieces 1111, in 256 KiB pieces 1162 (a system
@@ -62,61 +62,63 @@ _kernel = None
 def plan(sched, spans, size: int, me: int, pieces: bool = True):
     """The rows of a copy-only read schedule, from its steps' element spans (read_engine.step_spans:
     input offset, length, output offset) and the element size; None where a step reduces (those
-    stay in read_engine.py). ``pieces``: interleave writes and copies (interleaved); not for a call
-    in place, whose copy is none."""
-    rows, peers = [], []
-    for i, step in enumerate(sched.steps):
-        if step.kind == "sync":
-            rows.append((i, SYNC_STEP, -1, 0, 0, 0, 0, len(peers), len(step.remote)))
-            peers.extend(step.remote)
+    stay in read_engine.py). ``pieces``: take a block's writes and its copy a piece at a time
+    (write_then_copy); not for a call in place, whose copy is none."""
+    rows, peers, steps, i = [], [], sched.steps, 0
+    while i < len(steps):
+        j = write_then_copy(steps, spans, i) if pieces else 0
+        if j:
+            rows.extend(_pieces(steps, spans, i, j, size))
+            i = j + 1
             continue
-        if step.reduces:
+        if steps[i].reduces:
             return None
-        io, nbytes, oo = (v * size for v in spans[i])   # in bytes
-        if step.kind == "copy":
-            rows.append((i, COPY, -1, 0, io, oo, nbytes, 0, 0))
-        elif step.writes:
-            rows.extend((i, WRITE, q, 1, oo, io, nbytes, 0, 0) for q in step.remote)
-        elif step.reads == "out":
-            rows.append((i, READ, step.remote[0], 1, oo, oo, nbytes, 0, 0))
-        elif step.remote[0] == me:   # a "read" of this rank's own input: a local copy
-            rows.append((i, COPY, -1, 0, io, oo, nbytes, 0, 0))
-        else:
-            rows.append((i, READ, step.remote[0], 0, io, oo, nbytes, 0, 0))
-    rows = interleaved(rows) if pieces else rows
+        rows.extend(_step_rows(steps[i], i, spans[i], size, me, peers))
+        i += 1
     return np.array(rows, np.int64).reshape(-1, ROW), np.array(peers or [0], np.int64)
 
 
-def interleaved(rows: list) -> list:
-    """The rows, with each run of writes of one input block (to one peer each) followed by the
-    local copy of that block (all_gather: its write_copy steps, then its copy) cut into
-    WRITE_PIECE_BYTES pieces taken in turn: write the piece to each peer, then copy it here while
-    it is in cache. Every piece is numbered the run's first step, so a call handed back to Python
-    mid-run goes on from there (the run's writes and copy again: the same bytes to the same places)."""
-    out, i = [], 0
-    while i < len(rows):
-        j = i
-        while j < len(rows) and rows[j][KIND] == WRITE and rows[j][HERE] == rows[i][HERE] \
-                and rows[j][NBYTES] == rows[i][NBYTES]:
-            j += 1
-        if j == i or j == len(rows) or not _copies_block(rows[j], rows[j - 1]):
-            out.append(rows[i])
-            i += 1
-            continue
-        first, copy, nbytes = rows[i][STEP], rows[j], rows[j][NBYTES]
-        for a in range(0, nbytes, WRITE_PIECE_BYTES):
-            k = min(WRITE_PIECE_BYTES, nbytes - a)
-            out.extend((first,) + w[KIND:THERE] + (w[THERE] + a, w[HERE] + a, k) + w[SPEERS:] for w in rows[i:j])
-            out.append((first,) + copy[KIND:THERE] + (copy[THERE] + a, copy[HERE] + a, k) + copy[SPEERS:])
-        i = j + 1
-    return out
+def _step_rows(step, i: int, span, size: int, me: int, peers: list) -> list:
+    """Step i's rows (a sync's peers go on ``peers``)."""
+    if step.kind == "sync":
+        peers.extend(step.remote)
+        return [(i, SYNC_STEP, -1, 0, 0, 0, 0, len(peers) - len(step.remote), len(step.remote))]
+    io, nbytes, oo = (v * size for v in span)   # in bytes
+    if step.kind == "copy" or (not step.writes and step.reads != "out" and step.remote[0] == me):
+        return [(i, COPY, -1, 0, io, oo, nbytes, 0, 0)]   # (a "read" of this rank's own input: a copy)
+    if step.writes:
+        return [(i, WRITE, q, 1, oo, io, nbytes, 0, 0) for q in step.remote]
+    if step.reads == "out":
+        return [(i, READ, step.remote[0], 1, oo, oo, nbytes, 0, 0)]
+    return [(i, READ, step.remote[0], 0, io, oo, nbytes, 0, 0)]
 
 
-def _copies_block(copy: tuple, write: tuple) -> bool:
-    """Whether ``copy`` is a COPY row (input offset, output offset) of the input block that
-    ``write`` (a WRITE row: the peer's output offset, input offset) wrote, as the next step."""
-    return (copy[KIND] == COPY and copy[STEP] == write[STEP] + 1 and copy[THERE] == write[HERE]
-            and copy[NBYTES] == write[NBYTES])
+def _pieces(steps, spans, i: int, j: int, size: int) -> list:
+    """The rows of a write_then_copy run (steps i .. j - 1 write the block, step j copies it),
+    piece by piece, all numbered step i."""
+    io, nbytes, oo = (v * size for v in spans[j])
+    rows = []
+    for a in range(0, nbytes, WRITE_PIECE_BYTES):
+        k = min(WRITE_PIECE_BYTES, nbytes - a)
+        rows.extend((i, WRITE, q, 1, spans[w][2] * size + a, io + a, k, 0, 0)
+                    for w in range(i, j) for q in steps[w].remote)
+        rows.append((i, COPY, -1, 0, io + a, oo + a, k, 0, 0))
+    return rows
+
+
+def write_then_copy(steps, spans, i: int) -> int:
+    """Where steps i, i+1, ... write one input block to a peer each and the next step copies that
+    block here (all_gather's read schedule), that copy step's index; else 0. Both engines take
+    such a run a WRITE_PIECE_BYTES piece at a time: write the piece to each peer, then copy it
+    here while it is in cache (here, and read_engine.ReadEngine._write_then_copy). Every piece
+    is numbered the run's first step, so a call handed back to Python mid-run goes on from there
+    (the run's writes and copy again: the same bytes to the same places)."""
+    j = i
+    while j < len(steps) and steps[j].writes and spans[j][:2] == spans[i][:2]:
+        j += 1
+    if i < j < len(steps) and steps[j].kind == "copy" and spans[j][:2] == spans[i][:2]:
+        return j
+    return 0
 
 
 def constants(n: int, me: int, budget: int, yields: int = 0) -> np.ndarray:
