@@ -436,11 +436,11 @@ def test_copy_ceiling_prints_one_row_of_positive_rates_per_size():
                        text=True, timeout=100)
     assert r.returncode == 0, r.stderr[-2000:]
     header, *rows = r.stdout.strip().splitlines()
-    assert "1 core" in header and "2 cores" in header
+    assert "1 core" in header and "2 cores" in header and "memset" in header
     assert [row.split()[0] for row in rows] == ["65536", "1048576"]
     for row in rows:
-        one, halves, each = (float(row.split()[i]) for i in (1, 2, 4))
-        assert min(one, halves, each) > 0, row
+        one, halves, each, unread = (float(row.split()[i]) for i in (1, 2, 4, 6))
+        assert min(one, halves, each, unread) > 0, row
 
 
 # ---- --alternate: every library's ranks at once, rows taking turns --------------------------------
