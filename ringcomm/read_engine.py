@@ -223,7 +223,8 @@ class ReadEngine:
         size = call.inp.itemsize
         dsts = [self._view(ex, call, q, "out", views, "write into") for q in peers]
         onto_itself = aout + oo * size == ain + io * size
-        piece = k if onto_itself else max(1, read_native.WRITE_PIECE_BYTES // size)
+        cut = read_native.CMA_PIECE_BYTES if any(isinstance(d, Remote) for d in dsts) else read_native.WRITE_PIECE_BYTES
+        piece = k if onto_itself else max(1, cut // size)
         whole = k * size
         for a in range(0, k, piece):
             b = min(k, a + piece)

@@ -50,6 +50,15 @@ READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YI
 # numpy and CMA only: 16 MiB 1243 us reading the peer's block by CMA, then copying its own;
 # writing its own by CMA and copying it in 1 MiB pieces 1111, in 256 KiB pieces 1162 (a system
 # call per piece); 64 MiB 6654 against 6050 and 6541 (docs/06, "The ceiling").
+# In the engine, pieces written by process_vm_writev do best at 512 KiB: the kernel's copy brings
+# the piece and the peer's lines into L2 too, and 1 MiB of each with the local copy's output no
+# longer fits in 2 MiB (Intel VM, ringcomm-bench all_gather out of place, 30-call rows
+# alternating with MPICH, three runs each, 512 KiB against 1 MiB pieces: 2 ranks 4 MiB 248-267
+# against 282-305 us, 8 MiB 581-620 against 649-652; 4 ranks on 2 cores 4 MiB 593-610 against
+# 710-780, 16 MiB 2404-2460 against 2776-2918; 256 KiB was level with 512 KiB at 4 MiB and slower
+# at 8). Into a peer's registered buffer a piece is a memcpy, and 1 MiB stays a little ahead (2
+# ranks, 16 MiB 1083-1091 against 1102-1109 us, 64 MiB 4310-4334 against 4396-4401).
+CMA_PIECE_BYTES = 512 << 10
 WRITE_PIECE_BYTES = 1 << 20
 YIELD_S = 1e-3    # where ranks outnumber cores, a wait yields (YIELDS times) for at most this long in compiled code
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
@@ -98,8 +107,8 @@ def _pieces(steps, spans, i: int, j: int, size: int) -> list:
     piece by piece, all numbered step i."""
     io, nbytes, oo = (v * size for v in spans[j])
     rows = []
-    for a in range(0, nbytes, WRITE_PIECE_BYTES):
-        k = min(WRITE_PIECE_BYTES, nbytes - a)
+    for a in range(0, nbytes, CMA_PIECE_BYTES):   # the rows' writes are process_vm_writev
+        k = min(CMA_PIECE_BYTES, nbytes - a)
         rows.extend((i, WRITE, q, 1, spans[w][2] * size + a, io + a, k, 0, 0)
                     for w in range(i, j) for q in steps[w].remote)
         rows.append((i, COPY, -1, 0, io + a, oo + a, k, 0, 0))
@@ -109,7 +118,8 @@ def _pieces(steps, spans, i: int, j: int, size: int) -> list:
 def write_then_copy(steps, spans, i: int) -> int:
     """Where steps i, i+1, ... write one input block to a peer each and the next step copies that
     block here (all_gather's read schedule), that copy step's index; else 0. Both engines take
-    such a run a WRITE_PIECE_BYTES piece at a time: write the piece to each peer, then copy it
+    such a run a piece at a time (CMA_PIECE_BYTES where a write is a system call, else
+    WRITE_PIECE_BYTES): write the piece to each peer, then copy it
     here while it is in cache (here, and read_engine.ReadEngine._write_then_copy). Every piece
     is numbered the run's first step, so a call handed back to Python mid-run goes on from there
     (the run's writes and copy again: the same bytes to the same places)."""

@@ -186,14 +186,14 @@ def test_the_read_all_gather_writes_its_block_and_the_engine_takes_it_in_pieces(
     r = n - 1
     kinds = [s.kind for s in scheds[r].steps]
     assert kinds == ["write_copy"] * (n - 1) + ["copy", "sync"]
-    m = (5 * rn.WRITE_PIECE_BYTES) // 2 // 4 + 3            # float32: 2.5 pieces and 12 bytes
+    m = (5 * rn.CMA_PIECE_BYTES) // 2 // 4 + 3            # float32: 2.5 pieces and 12 bytes
     rows, _ = rn.plan(scheds[r], read_engine.step_spans(scheds[r], m), 4, r)
     pieces = [rows[i:i + n] for i in range(0, len(rows) - 1, n)]
     assert len(pieces) == 3 and rows[-1][rn.KIND] == rn.SYNC_STEP
     for a, piece in enumerate(pieces):
         assert [row[rn.KIND] for row in piece] == [rn.WRITE] * (n - 1) + [rn.COPY]
         assert all(row[rn.STEP] == 0 for row in piece)
-        start, want = a * rn.WRITE_PIECE_BYTES, min(rn.WRITE_PIECE_BYTES, 4 * m - a * rn.WRITE_PIECE_BYTES)
+        start, want = a * rn.CMA_PIECE_BYTES, min(rn.CMA_PIECE_BYTES, 4 * m - a * rn.CMA_PIECE_BYTES)
         assert all(row[rn.NBYTES] == want for row in piece)
         assert all(row[rn.HERE] == start for row in piece[:-1]) and piece[-1][rn.THERE] == start
     whole, _ = rn.plan(scheds[r], read_engine.step_spans(scheds[r], m), 4, r, pieces=False)
