@@ -75,10 +75,11 @@ class ReadLane:
     Python's steps from where it handed back; the executor's whole way where an allocation of this
     rank's was registered since."""
 
-    __slots__ = ("engine", "ex", "plan", "nsteps")
+    __slots__ = ("engine", "ex", "plan", "nsteps", "args")
 
-    def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int):
+    def __init__(self, engine: ReadEngine, ex, plan: _Plan, nsteps: int, args: np.ndarray):
         self.engine, self.ex, self.plan, self.nsteps = engine, ex, plan, nsteps
+        self.args = args   # the compiled call's argument block, filled but for the call's number
 
     def run(self, sched, call) -> None:
         e = self.engine
@@ -86,10 +87,12 @@ class ReadLane:
             self.ex.run(sched, call)
             return
         e.calls += 1
-        ain, aout = call.addrs
-        start, arrived = e._run_compiled(self.ex, self.plan.native, ain, aout, call)
-        if start is not None:
-            e.go_on(self.ex, sched, call, self.plan, ain, aout, start, arrived)
+        a = self.args
+        a[read_native.A_CALLS] = e.calls
+        if e.run_call(a) != read_native.DONE:
+            e.handed_back += 1
+            e.go_on(self.ex, sched, call, self.plan, int(a[read_native.A_AIN]), int(a[read_native.A_AOUT]),
+                    int(e.res[0]), bool(e.res[1]))
 
 
 class ReadEngine:
@@ -102,9 +105,9 @@ class ReadEngine:
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
         self.plans: dict = {}                # (id(schedule), m, itemsize) -> _Plan
         self.peer_words = None               # the peers' control words' addresses (read_native)...
-        # ...and the rest it needs (constants, scratch, the compiled call, this rank's control words),
-        # made at first use
-        self.consts = self.iov = self.res = self.run_call = self.words = None
+        # ...and the rest it needs (constants, scratch, the compiled call and its argument block,
+        # read_native.arguments), made at first use
+        self.consts = self.iov = self.res = self.run_call = self.args = None
         self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
 
     def run(self, ex, sched, call) -> None:
@@ -148,10 +151,15 @@ class ReadEngine:
         """A known call's lane into the compiled path (see ReadLane), where it has one: a call like
         this one ran there before."""
         ain = address(call.inp)
-        plan = self._plan(sched, call, ain, ain if call.out is call.inp else address(call.out))
-        if self.run_call is None or self._compiled(ex, plan, call) is None:
+        aout = ain if call.out is call.inp else address(call.out)
+        plan = self._plan(sched, call, ain, aout)
+        prepared = None if self.run_call is None else self._compiled(ex, plan, call)
+        if prepared is None:
             return None
-        return ReadLane(self, ex, plan, len(sched.steps))
+        args = self.args.copy()   # the engine's arrays, and this call's plan and buffers, for good
+        args[read_native.A_ROWS:read_native.A_NOUT + 1] = (*prepared.head, -1, 0, 0, ain, aout, call.inp.nbytes,
+                                                           call.out.nbytes)
+        return ReadLane(self, ex, plan, len(sched.steps), args)
 
     def _compiled(self, ex, plan: _Plan, call):
         """read_native's plan for this call, where the compiled path applies: the native engine, plain
@@ -161,11 +169,11 @@ class ReadEngine:
         if ex.native is None or not reg.cma or reg.mine or call.out.nbytes >= stream_copy.STREAM_MIN_BYTES:
             return None
         if plan.native is False:
-            plan.native = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank,
-                                           pieces=not plan.in_place)
+            made = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank, pieces=not plan.in_place)
+            plan.native = None if made is None else read_native.Prepared(*made)
         return plan.native
 
-    def _run_compiled(self, ex, compiled, ain: int, aout: int, call):
+    def _run_compiled(self, ex, prepared, ain: int, aout: int, call):
         """Run the call in read_native's compiled function: (None, None) when it finished, else the
         step (and whether its sync arrivals are published) from which Python goes on."""
         reg = self.reg
@@ -175,10 +183,13 @@ class ReadEngine:
             budget = int(min(ex._spin_s, read_native.SPIN_S) * native_sync.cycles_per_second())
             self.consts = read_native.constants(reg.n, reg.rank, budget, Backoff.compiled_yields(ex._spin_s > 0))
             self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
-            self.run_call, self.words = read_native.kernel(), reg.ctl.words
-        status = self.run_call(compiled[0], compiled[1], -1, False, self.words, self.peer_words, self.calls,
-                               self.syncs, ain, aout, call.inp.nbytes, call.out.nbytes, self.consts, self.iov,
-                               self.res)
+            self.args = read_native.arguments(reg.ctl.words, self.peer_words, self.syncs, self.consts, self.iov,
+                                              self.res)
+            self.run_call = read_native.kernel()
+        a = self.args
+        a[read_native.A_ROWS:read_native.A_NOUT + 1] = (*prepared.head, -1, 0, self.calls, ain, aout, call.inp.nbytes,
+                                                        call.out.nbytes)
+        status = self.run_call(a)
         if status == read_native.DONE:
             return None, None
         self.handed_back += 1

@@ -37,6 +37,14 @@ from . import ctl_layout, native_sync
 from .ctl_layout import CALLS, DESC, PID, SYNC
 
 DONE, WAIT, HAND_BACK = 0, 1, 2   # what the compiled call returns; res = (step, arrived) for the last two
+# The compiled call's one argument, an int64 block (arguments(), enter()): a numba entry point
+# unboxes every argument it is given, and _run_call's fifteen (eight arrays) cost 0.54 us a call
+# where one array costs 0.09 (Intel VM; docs/06 "The copy-only read calls, compiled"). The block
+# names the call (its plan's rows and sync peers, where it starts, its buffers) and the engine's
+# arrays by address; whoever fills it keeps those arrays alive.
+A_ROWS, A_NROWS, A_SPEERS, A_NSPEERS, A_START, A_ARRIVED, A_CALLS, A_AIN, A_AOUT, A_NIN, A_NOUT, \
+    A_WORDS, A_NWORDS, A_PEERS, A_SYNCS, A_CONSTS, A_IOV, A_RES = range(18)
+ARGS = 18
 COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
 # A plan row: the schedule's step index, the kind, the peer, which buffer of the peer (0 its
 # input, 1 its output), the byte offset there (or in this rank's input for copy and write), the
@@ -115,6 +123,27 @@ def _pieces(steps, spans, i: int, j: int, size: int) -> list:
     return rows
 
 
+class Prepared:
+    """A plan's rows and sync peers (plan()), with the addresses the argument block names them by."""
+
+    __slots__ = ("rows", "speers", "head")
+
+    def __init__(self, rows: np.ndarray, speers: np.ndarray):
+        self.rows, self.speers = rows, speers
+        self.head = (rows.ctypes.data, rows.shape[0], speers.ctypes.data, speers.size)   # A_ROWS .. A_NSPEERS
+
+
+def arguments(words: np.ndarray, peers: np.ndarray, syncs: np.ndarray, consts: np.ndarray, iov: np.ndarray,
+              res: np.ndarray) -> np.ndarray:
+    """An argument block with the engine's part filled in (A_WORDS ...): this rank's control words,
+    the peers' words' addresses, the sync counts, constants(), and the system call's and the
+    result's scratch. A call fills A_ROWS .. A_NOUT."""
+    a = np.zeros(ARGS, np.int64)
+    a[A_WORDS:] = (words.ctypes.data, words.size, peers.ctypes.data, syncs.ctypes.data, consts.ctypes.data,
+                   iov.ctypes.data, res.ctypes.data)
+    return a
+
+
 def write_then_copy(steps, spans, i: int) -> int:
     """Where steps i, i+1, ... write one input block to a peer each and the next step copies that
     block here (all_gather's read schedule), that copy step's index; else 0. Both engines take
@@ -144,8 +173,9 @@ def constants(n: int, me: int, budget: int, yields: int = 0) -> np.ndarray:
 
 
 def kernel():
-    """The compiled call (numba, cached on disk), compiled for its one signature and called
-    through that version's entry point: no dispatcher looking at fifteen arguments per call."""
+    """The compiled call (numba, cached on disk): ``kernel()(block)`` runs _run_call over the
+    argument block (arguments()), through its one version's entry point: no dispatcher, and one
+    argument to unbox."""
     global _kernel
     if _kernel is None:
         with _lock:
@@ -154,15 +184,13 @@ def kernel():
                 from numba import types
                 native_sync.intrinsics()
                 # the control words' layout and futex's numbers are compiled in: an edit there is one here
-                native_sync.drop_stale_cache(__file__, "_run_call", deps=(ctl_layout.__file__, futex.__file__))
+                native_sync.drop_stale_cache(__file__, "_enter", deps=(ctl_layout.__file__, futex.__file__))
                 jit = numba.njit(nogil=True)
                 g = globals()
-                for name in ("_yield_until", "_wait_at_least", "_transfer", "_wake", "_sleep_flag"):
+                g["_carray"] = numba.carray
+                for name in ("_yield_until", "_wait_at_least", "_transfer", "_wake", "_sleep_flag", "_run_call"):
                     g[name] = jit(g[name])
-                i64, vec = types.int64, types.int64[::1]
-                sig = types.int64(types.int64[:, ::1], vec, i64, types.boolean, vec, vec, i64, vec,
-                                  i64, i64, i64, i64, vec, vec, vec)
-                compiled = numba.njit(sig, nogil=True, cache=True)(_run_call)
+                compiled = numba.njit(types.int64(types.int64[::1]), nogil=True, cache=True)(_enter)
                 compiled.disable_compile()
                 from .engine_native import compiled_entry
                 _kernel = compiled_entry(compiled)
@@ -207,6 +235,24 @@ def _wake(base, word, peers, n, me, consts):
         if p != me and native_sync.load_acquire(peers[p] + 8 * flag) != 0:
             native_sync.call_c(consts[SYSCALL], consts[FUTEX], base + 8 * word, FUTEX_WAKE, 0x7FFFFFFF, 0, 0)
             return
+
+
+_carray = None   # numba.carray, set by kernel()
+
+
+def _enter(a):
+    """_run_call over the arrays and values that argument block ``a`` names (arguments())."""
+    consts = _carray(native_sync.typed_ptr(a[A_CONSTS], a), YIELD_BUDGET + 1)
+    n = consts[NRANKS]
+    rows = _carray(native_sync.typed_ptr(a[A_ROWS], a), (a[A_NROWS], ROW))
+    speers = _carray(native_sync.typed_ptr(a[A_SPEERS], a), a[A_NSPEERS])
+    words = _carray(native_sync.typed_ptr(a[A_WORDS], a), a[A_NWORDS])
+    peers = _carray(native_sync.typed_ptr(a[A_PEERS], a), n)
+    syncs = _carray(native_sync.typed_ptr(a[A_SYNCS], a), n)
+    iov = _carray(native_sync.typed_ptr(a[A_IOV], a), 4)
+    res = _carray(native_sync.typed_ptr(a[A_RES], a), 2)
+    return _run_call(rows, speers, a[A_START], a[A_ARRIVED] != 0, words, peers, a[A_CALLS], syncs, a[A_AIN],
+                     a[A_AOUT], a[A_NIN], a[A_NOUT], consts, iov, res)
 
 
 def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, consts, iov, res):

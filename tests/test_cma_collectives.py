@@ -114,6 +114,34 @@ def test_a_late_peer_and_mismatched_sizes_on_the_copy_path(engine):
         assert results[0][1] == 0, results
 
 
+def _late_on_the_lane(comm):
+    """A known call (repeated on the same arrays: it goes down read_engine.ReadLane, whose argument
+    block holds its buffers) whose root enters 0.2 s late: rank 0's compiled call hands back mid-call
+    and Python goes on from the block's buffers."""
+    x = np.zeros(50_000, np.float32)
+    for i in range(3):
+        if comm.rank == 1:
+            x[:] = np.arange(x.size) + i
+        comm.broadcast(x, root=1)
+    (known,) = [k for key, k in comm._known.entries.items() if key[2][0] == "broadcast"]
+    eng = comm._registry.engine
+    before = eng.handed_back
+    if comm.rank == 1:
+        x[:] = np.arange(x.size) * 3
+        time.sleep(0.2)   # late (not a synchronisation: the results are right either way)
+    comm.broadcast(x, root=1)
+    return type(known.lane).__name__, eng.handed_back - before, bool((x == np.arange(x.size) * 3).all())
+
+
+@pytest.mark.timeout(120)
+def test_a_known_call_whose_peer_is_late_hands_back_from_its_lane():
+    with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=30) as w:
+        results = w.run(_late_on_the_lane, timeout=60)
+    assert [r[0] for r in results] == ["ReadLane"] * 2, results
+    assert all(r[2] for r in results), results
+    assert results[0][1] >= 1, results   # rank 0 waited in compiled code, then in Python
+
+
 def _refuse(comm, how):
     if comm.rank == 1:
         if how == "eperm":  # what a Yama or container refusal returns, for this rank's probes
