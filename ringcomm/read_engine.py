@@ -87,12 +87,10 @@ class ReadLane:
             self.ex.run(sched, call)
             return
         e.calls += 1
-        a = self.args
-        a[read_native.A_CALLS] = e.calls
-        if e.run_call(a) != read_native.DONE:
-            e.handed_back += 1
-            e.go_on(self.ex, sched, call, self.plan, int(a[read_native.A_AIN]), int(a[read_native.A_AOUT]),
-                    int(e.res[0]), bool(e.res[1]))
+        self.args[read_native.A_CALLS] = e.calls
+        if e.run_call(self.args) != read_native.DONE:
+            ain, aout = call.addrs
+            e.go_on(self.ex, sched, call, self.plan, ain, aout, *e._handed_back())
 
 
 class ReadEngine:
@@ -189,9 +187,13 @@ class ReadEngine:
         a = self.args
         a[read_native.A_ROWS:read_native.A_NOUT + 1] = (*prepared.head, -1, 0, self.calls, ain, aout, call.inp.nbytes,
                                                         call.out.nbytes)
-        status = self.run_call(a)
-        if status == read_native.DONE:
+        if self.run_call(a) == read_native.DONE:
             return None, None
+        return self._handed_back()
+
+    def _handed_back(self) -> tuple[int, bool]:
+        """Where Python goes on from a compiled call that did not finish: the step, and whether its
+        sync arrivals are published."""
         self.handed_back += 1
         return int(self.res[0]), bool(self.res[1])
 

@@ -37,7 +37,7 @@ from . import ctl_layout, native_sync
 from .ctl_layout import CALLS, DESC, PID, SYNC
 
 DONE, WAIT, HAND_BACK = 0, 1, 2   # what the compiled call returns; res = (step, arrived) for the last two
-# The compiled call's one argument, an int64 block (arguments(), enter()): a numba entry point
+# The compiled call's one argument, an int64 block (arguments(), _enter()): a numba entry point
 # unboxes every argument it is given, and _run_call's fifteen (eight arrays) cost 0.54 us a call
 # where one array costs 0.09 (Intel VM; docs/06 "The copy-only read calls, compiled"). The block
 # names the call (its plan's rows and sync peers, where it starts, its buffers) and the engine's
