@@ -155,8 +155,8 @@ class ReadEngine:
         if prepared is None:
             return None
         args = self.args.copy()   # the engine's arrays, and this call's plan and buffers, for good
-        args[read_native.A_ROWS:read_native.A_NOUT + 1] = (*prepared.head, -1, 0, 0, ain, aout, call.inp.nbytes,
-                                                           call.out.nbytes)
+        args[read_native.A_ROWS:read_native.A_NOUT + 1] = read_native.call_words(
+            prepared, 0, ain, aout, call.inp.nbytes, call.out.nbytes)   # the number: at each call (ReadLane.run)
         return ReadLane(self, ex, plan, len(sched.steps), args)
 
     def _compiled(self, ex, plan: _Plan, call):
@@ -185,8 +185,8 @@ class ReadEngine:
                                               self.res)
             self.run_call = read_native.kernel()
         a = self.args
-        a[read_native.A_ROWS:read_native.A_NOUT + 1] = (*prepared.head, -1, 0, self.calls, ain, aout, call.inp.nbytes,
-                                                        call.out.nbytes)
+        a[read_native.A_ROWS:read_native.A_NOUT + 1] = read_native.call_words(
+            prepared, self.calls, ain, aout, call.inp.nbytes, call.out.nbytes)
         if self.run_call(a) == read_native.DONE:
             return None, None
         return self._handed_back()
@@ -236,7 +236,7 @@ class ReadEngine:
         size = call.inp.itemsize
         dsts = [self._view(ex, call, q, "out", views, "write into") for q in peers]
         onto_itself = aout + oo * size == ain + io * size
-        cut = read_native.CMA_PIECE_BYTES if any(isinstance(d, Remote) for d in dsts) else read_native.WRITE_PIECE_BYTES
+        cut = read_native.piece_bytes(by_cma=any(isinstance(d, Remote) for d in dsts))
         piece = k if onto_itself else max(1, cut // size)
         whole = k * size
         for a in range(0, k, piece):

@@ -115,12 +115,20 @@ def _pieces(steps, spans, i: int, j: int, size: int) -> list:
     piece by piece, all numbered step i."""
     io, nbytes, oo = (v * size for v in spans[j])
     rows = []
-    for a in range(0, nbytes, CMA_PIECE_BYTES):   # the rows' writes are process_vm_writev
-        k = min(CMA_PIECE_BYTES, nbytes - a)
+    piece = piece_bytes(by_cma=True)   # the rows' writes are process_vm_writev
+    for a in range(0, nbytes, piece):
+        k = min(piece, nbytes - a)
         rows.extend((i, WRITE, q, 1, spans[w][2] * size + a, io + a, k, 0, 0)
                     for w in range(i, j) for q in steps[w].remote)
         rows.append((i, COPY, -1, 0, io + a, oo + a, k, 0, 0))
     return rows
+
+
+def piece_bytes(by_cma: bool) -> int:
+    """How much of a write_then_copy run either engine takes at a time: CMA_PIECE_BYTES where the
+    writes are process_vm_writev (``by_cma``), else WRITE_PIECE_BYTES (memcpys into registered
+    buffers)."""
+    return CMA_PIECE_BYTES if by_cma else WRITE_PIECE_BYTES
 
 
 class Prepared:
@@ -144,11 +152,16 @@ def arguments(words: np.ndarray, peers: np.ndarray, syncs: np.ndarray, consts: n
     return a
 
 
+def call_words(prepared: Prepared, calls: int, ain: int, aout: int, nin: int, nout: int) -> tuple:
+    """A call's part of the argument block, A_ROWS .. A_NOUT, for a call from its start: its plan,
+    its number (CALLS) and its buffers' addresses and byte counts."""
+    return (*prepared.head, -1, 0, calls, ain, aout, nin, nout)
+
+
 def write_then_copy(steps, spans, i: int) -> int:
     """Where steps i, i+1, ... write one input block to a peer each and the next step copies that
     block here (all_gather's read schedule), that copy step's index; else 0. Both engines take
-    such a run a piece at a time (CMA_PIECE_BYTES where a write is a system call, else
-    WRITE_PIECE_BYTES): write the piece to each peer, then copy it
+    such a run a piece at a time (piece_bytes()): write the piece to each peer, then copy it
     here while it is in cache (here, and read_engine.ReadEngine._write_then_copy). Every piece
     is numbered the run's first step, so a call handed back to Python mid-run goes on from there
     (the run's writes and copy again: the same bytes to the same places)."""
