@@ -344,17 +344,28 @@ class Communicator:
         if not lane or self._closed or self._broken is not None or self._check or self._progress.capturing:
             self._start(collective, known.algo, known.sched, x, y, m, known.op, root, addrs=known.addrs)
             if lane is None:   # looked for once, after the first call has made its plan
-                known.lane = self._executor.lane(known.sched, Call(collective, 0, x, y, m, known.op)) or False
+                call = Call(collective, 0, x, y, m, known.op, None, None, known.addrs)
+                known.lane = self._executor.lane(known.sched, call) or False
+                call.inp = call.out = None   # the known call holds its arrays weakly: so must its Call
+                known.call = call
             return
         # _start's numbering, repeated rather than called: passing the lane through _start measured
         # 0.05-0.2 us slower on an 8-byte call (2.36 / 2.51 us against 2.25 / 2.30). Keep the two alike.
         self._seq = seq = self._seq + 1
         self._ordinal += 1
-        call = Call(collective, seq, x, y, m, known.op, None, None, known.addrs)
-        self._executor._call, self._executor._nsteps = call, lane.nsteps   # the watchdog's position
+        # The known call's own Call, renumbered (0.15 us less than a new one): calls run one at a
+        # time (the progress token), and the arrays may be new views of the same memory (reshape).
+        call = known.call
+        call.seq, call.inp, call.out = seq, x, y
+        ex = self._executor
+        ex._call, ex._nsteps = call, lane.nsteps   # the watchdog's position
+        ex.links.call = call   # as Executor.run does: so that a call before it no longer holds its arrays
         # The lane is the engine here: inside _execute_now's handler, so that Ctrl-C after the
         # loop returned mid-call (signals wait for compiled code to return) breaks the communicator.
-        self._execute_now(known.sched, call, lane)
+        try:
+            self._execute_now(known.sched, call, lane)
+        finally:
+            call.inp = call.out = None
 
     def _start(self, collective, algo, sched, x, y, m, op, root, blocks=None, addrs=None):
         """A checked call, with its algorithm and schedule chosen: number it and run it (``addrs``:

@@ -31,7 +31,7 @@ class KnownCall:
     """One remembered call: what it was given (weakly) and what the checked path decided."""
 
     __slots__ = ("buf", "out", "shape", "out_shape", "dtype", "out_dtype", "op", "algo", "sched", "addrs",
-                 "lane", "__weakref__")
+                 "lane", "call", "__weakref__")
 
     def __init__(self, buf, out, op, algo, sched):
         self.buf = weakref.ref(buf)
@@ -44,6 +44,7 @@ class KnownCall:
         self.out_shape, self.out_dtype = (None, None) if out is None else (out.shape, out.dtype)
         self.op, self.algo, self.sched = op, algo, sched
         self.lane = None   # an engine's compiled way in (comm._run_known): None until looked for, False if none
+        self.call = None   # with a lane: the executor.Call its calls reuse, renumbered each time
 
 
 class KnownCalls:

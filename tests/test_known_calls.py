@@ -230,7 +230,12 @@ def _down_the_lanes(comm, cma: bool):
         seqs.append((comm._executor._call.seq, comm._seq))
     lanes = sorted(type(known.lane).__name__ for known in comm._known.entries.values())
     reads = comm._registry.engine.calls if comm._registry else 0
-    return counts, seqs, lanes, reads
+    # The lanes' reused Calls hold the arrays no more than the known calls do: dropped, they go
+    refs = [weakref.ref(a) for a in (small, out, big, gathered)]
+    del small, out, big, gathered
+    gc.collect()
+    freed = [ref() is None for ref in refs]
+    return counts, seqs, lanes, reads, freed
 
 
 @pytest.mark.timeout(60)
@@ -238,8 +243,9 @@ def _down_the_lanes(comm, cma: bool):
 def test_known_calls_go_down_their_engines_lane(cma):
     env = {"RINGCOMM_CMA_MIN": "1"} if cma else {"RINGCOMM_CMA": "0"}
     with World(2, env, timeout=30) as w:
-        for counts, seqs, lanes, reads in w.run(_down_the_lanes, cma):
+        for counts, seqs, lanes, reads, freed in w.run(_down_the_lanes, cma):
             assert all(mine == comm_seq for mine, comm_seq in seqs), seqs
+            assert all(freed), freed
             # the three counted rounds took the lanes
             if cma:   # every call read the peer; the all_reduce reduces in Python: no lane (False)
                 assert lanes == ["ReadLane", "ReadLane", "bool"] and reads == 18, (lanes, reads)
