@@ -357,9 +357,7 @@ class Communicator:
         # time (the progress token), and the arrays may be new views of the same memory (reshape).
         call = known.call
         call.seq, call.inp, call.out = seq, x, y
-        ex = self._executor
-        ex._call, ex._nsteps = call, lane.nsteps   # the watchdog's position
-        ex.links.call = call   # as Executor.run does: so that a call before it no longer holds its arrays
+        self._executor._call, self._executor._nsteps = call, lane.nsteps   # the watchdog's position
         # The lane is the engine here: inside _execute_now's handler, so that Ctrl-C after the
         # loop returned mid-call (signals wait for compiled code to return) breaks the communicator.
         try:
@@ -461,6 +459,10 @@ class Communicator:
                 self._break(f"{moved.name} #{moved.seq} was interrupted by {type(e).__name__} after it "
                             f"had started moving data")
             raise
+        # Done: the executor lets go of the call and its arrays (the user may free them now; the
+        # watchdog asks where a rank is only while it waits in a call)
+        ex = self._executor
+        ex._call = ex.links.call = None
 
     def _started(self, members):
         """Which of ``members`` [(schedule, Call)] an executor has started, if any: the host

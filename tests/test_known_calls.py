@@ -192,7 +192,7 @@ def _count_lane_calls():
     lanes have slots)."""
     from ringcomm.engine_native import Lane, NativeEngine
     from ringcomm.read_engine import ReadEngine, ReadLane
-    counts = {"lane": 0, "go_on": 0}
+    counts = {"lane": 0, "go_on": 0, "positions": []}   # positions: the watchdog's seq as each lane call starts
     for cls, name, key in ((Lane, "run", "lane"), (ReadLane, "run", "lane"), (NativeEngine, "go_on", "go_on"),
                            (ReadEngine, "go_on", "go_on")):
         real = getattr(cls, "_real_" + name, None) or getattr(cls, name)
@@ -200,6 +200,9 @@ def _count_lane_calls():
 
         def counted(self, *args, _real=real, _key=key):
             counts[_key] += 1
+            if _key == "lane":
+                ex = self.ex if isinstance(self, ReadLane) else self.engine.x
+                counts["positions"].append(ex.position().get("seq"))
             return _real(self, *args)
         setattr(cls, name, counted)
     return counts
@@ -214,20 +217,25 @@ def _down_the_lanes(comm, cma: bool):
     small, out = np.zeros(2, np.float32), np.zeros(2, np.float32)
     big = np.zeros(16384, np.float32)                    # 64 KiB: CMA reads where RINGCOMM_CMA_MIN allows
     gathered = np.zeros((n, 16384), np.float32)
-    seqs, counts = [], None
+    seqs, counts = [], None   # seqs: each counted call's number, where it took a lane
+
+    def counted(call):
+        before = counts["lane"] if counts else 0
+        call()
+        if counts and counts["lane"] > before:
+            seqs.append(comm._seq)
     for i in range(6):
         if i == 3:
             counts = _count_lane_calls()
         small[...] = r + i
-        comm.all_reduce(small, out=out)
+        counted(lambda: comm.all_reduce(small, out=out))
         assert (out == n * (n - 1) / 2 + n * i).all(), out
-        seqs.append((comm._executor._call.seq, comm._seq))
         big[...] = r + i
-        comm.broadcast(big, root=1)
+        counted(lambda: comm.broadcast(big, root=1))
         assert (big == 1 + i).all(), big[:4]
-        comm.all_gather(big, gathered)
+        counted(lambda: comm.all_gather(big, gathered))
         assert (gathered == (1 + i)).all(), gathered[:, :4]
-        seqs.append((comm._executor._call.seq, comm._seq))
+    assert comm._executor._call is None   # done: the executor holds no call (nor its arrays)
     lanes = sorted(type(known.lane).__name__ for known in comm._known.entries.values())
     reads = comm._registry.engine.calls if comm._registry else 0
     # The lanes' reused Calls hold the arrays no more than the known calls do: dropped, they go
@@ -244,7 +252,7 @@ def test_known_calls_go_down_their_engines_lane(cma):
     env = {"RINGCOMM_CMA_MIN": "1"} if cma else {"RINGCOMM_CMA": "0"}
     with World(2, env, timeout=30) as w:
         for counts, seqs, lanes, reads, freed in w.run(_down_the_lanes, cma):
-            assert all(mine == comm_seq for mine, comm_seq in seqs), seqs
+            assert counts["positions"] == seqs, (counts["positions"], seqs)
             assert all(freed), freed
             # the three counted rounds took the lanes
             if cma:   # every call read the peer; the all_reduce reduces in Python: no lane (False)
@@ -281,7 +289,7 @@ def _lane_call_that_waits(comm, coll: str):
     worker = threading.Thread(target=lambda: got.update(result=call()))
     worker.start()
     deadline = time.monotonic() + 30
-    while ex._waiting is None or ex._call.seq != comm._seq:   # rank 0's call is waiting on rank 1
+    while ex._waiting is None or ex.position().get("seq") != comm._seq:   # rank 0's call waits on rank 1
         assert time.monotonic() < deadline, "rank 0 never waited"
         time.sleep(0.001)
     comm._store.set("lanes/rank0_waits", b"1")
@@ -297,7 +305,7 @@ def test_a_lane_call_that_waits_is_finished_by_the_engine(coll):
         (result0, counts), (result1, _) = w.run(_lane_call_that_waits, coll)
     want = 3.0 if coll == "all_reduce" else 1.0
     assert (result0 == want).all() and (result1 == want).all(), (result0, result1)
-    assert counts == {"lane": 1, "go_on": 1}, counts
+    assert counts["lane"] == 1 and counts["go_on"] == 1, counts
 
 
 def _peer_leaves_during_a_lane_call(comm):
@@ -370,3 +378,28 @@ def test_a_lane_call_interrupted_where_python_takes_over_breaks_the_communicator
     assert later.startswith("CommunicatorClosed") and "interrupted by KeyboardInterrupt" in later, later
     assert peer_first != "returned" or (peer_x == 2).all(), (peer_first, peer_x)   # an error, or the right sum
     assert peer_later.startswith("PeerFailure") and "rank 0" in peer_later, peer_later
+
+
+def _one_call_each(comm):
+    """Arrays of calls that ran once (the checked path) or many times (the lanes): once the calls
+    returned and the user dropped them, nothing of ringcomm's keeps them alive."""
+    refs = []
+    for repeats in (5, 1):     # the last call is a checked one
+        x, out = np.ones(1 << 16, np.float32), np.zeros((comm.world_size, 1 << 16), np.float32)
+        for _ in range(repeats):
+            comm.all_reduce(x)
+            comm.broadcast(x, root=0)
+            comm.all_gather(x, out)
+        refs += [weakref.ref(x), weakref.ref(out)]
+        del x, out
+    gc.collect()
+    return [ref() is None for ref in refs]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cma", [False, True], ids=["fifo", "cma"])
+def test_the_arrays_of_finished_calls_are_not_kept_alive(cma):
+    env = {"RINGCOMM_CMA_MIN": "1"} if cma else {"RINGCOMM_CMA": "0"}
+    with World(2, env, timeout=30) as w:
+        for freed in w.run(_one_call_each):
+            assert all(freed), freed
