@@ -314,6 +314,8 @@ def test_no_placement_leaves_the_line_out():
                              "--no-progress", "--no-placement"])
     assert rc == 0, err
     assert not any(l.startswith("# Placement") for l in out.splitlines()), out
+    # and says that broadcast's two columns time the same one-buffer call
+    assert any(l.startswith("# broadcast takes one buffer a rank") for l in out.splitlines()), out
 
 
 @pytest.mark.timeout(120)

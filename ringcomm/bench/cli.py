@@ -168,6 +168,9 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
                      "peers' plain numpy")
     if a.bind:
         lines.append("# Binding: every library's rank i on usable CPU i mod their number (--bind)")
+    if a.collective == "broadcast":
+        lines.append("# broadcast takes one buffer a rank (as MPI_Bcast and torch's do): out of place the root "
+                     "passes its send buffer, in place its receive buffer; the call is the same")
     if a.min_row_ms:
         lines.append(f"# Rows: at least {a.min_row_ms:g} ms of timed calls each (--min-row-ms; at least "
                      f"{a.iters} calls, each row's count in --json)")
