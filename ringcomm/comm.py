@@ -338,7 +338,8 @@ class Communicator:
         lane (engine_native.Lane for the FIFOs, read_engine.ReadLane for CMA reads) straight in,
         past _start, the executor's and the engine's look-ups: 2 ranks, an 8-byte all_reduce 2.2 us
         a call instead of 2.7, an 8-byte broadcast 1.7 instead of 2.2 (ringcomm-bench, alternating
-        launches). Anything unusual (a group or RINGCOMM_DEBUG=check, a closed or broken
+        launches); reusing the known call's Call took them to 2.0 and 1.6 (docs/06, "The small
+        call"). Anything unusual (a group or RINGCOMM_DEBUG=check, a closed or broken
         communicator) takes _start's way."""
         lane = known.lane
         if not lane or self._closed or self._broken is not None or self._check or self._progress.capturing:
