@@ -23,7 +23,7 @@ import numpy as np
 
 from ringcomm.kernels import host as kernels
 
-from ringcomm.transport.base import Backoff, PeerGone
+from ringcomm.transport.base import Backoff, PeerGone, PeerTimeout
 from ringcomm.transport.cma import CmaError
 
 from . import native_sync, read_native, stream_copy
@@ -91,6 +91,17 @@ class ReadLane:
         if e.run_call(self.args) != read_native.DONE:
             ain, aout = call.addrs
             e.go_on(self.ex, sched, call, self.plan, ain, aout, *e._handed_back())
+
+
+def _never_entered(e):
+    """A peer that never enters a read call most often passed plain memory where this rank passed
+    registered memory: it chose another algorithm (registered.settle), and waits in that one. Say so
+    in the timeout's message (PeerTimeout.detail, which the executor appends)."""
+    if isinstance(e, PeerTimeout) and not getattr(e, "detail", ""):
+        e.detail = (f"if rank {e.peer} passed plain memory to this call where this rank passed comm.alloc "
+                    f"memory, it runs another algorithm and never enters this one: every rank must pass "
+                    f"registered buffers to the same calls (RINGCOMM_DEBUG=check names such a rank at once)")
+    return e
 
 
 class ReadEngine:
@@ -342,8 +353,8 @@ class ReadEngine:
         words = self.reg.peers[q, "ctl"].words
         if words[CALLS] < self.calls:  # (the message is made only if it is needed)
             self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(
-                e, f"waiting for {call.name} #{call.seq} to start so as to {verb} the registered buffer of"),
-                ex, CALLS)
+                _never_entered(e), f"waiting for {call.name} #{call.seq} to start so as to {verb} the "
+                f"registered buffer of"), ex, CALLS)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
         arr = call.inp if which == "in" else call.out

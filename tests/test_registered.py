@@ -555,6 +555,19 @@ def test_debug_check_names_a_rank_that_passes_plain_memory_its_peer_cannot_read(
         assert "algo=read)" in text and text.count("algo=read") == 1, text
 
 
+@pytest.mark.timeout(120)
+def test_a_rank_that_passes_plain_memory_is_a_timeout_that_says_why():
+    # Default settings: a 1 MiB all_reduce runs the read steps on registered buffers, the FIFO ring on
+    # plain ones (the CMA reductions start at 2 MiB), so the two ranks run different algorithms. Each
+    # names the other within the timeout; the registered side says what most likely happened.
+    with World(2, timeout=2) as w:
+        answers = w.run(_mixed, timeout=60)
+    assert all(text.startswith("CollectiveTimeout") for text in answers), answers
+    assert "waiting for all_reduce #1 to start so as to read the registered buffer of rank 1" in answers[0]
+    assert "if rank 1 passed plain memory to this call where this rank passed comm.alloc memory" in answers[0]
+    assert "rank 1 (this process) timed out after 2 s" in answers[1] and "rank 0" in answers[1], answers[1]
+
+
 @pytest.mark.skipif(not cma.available(), reason="no process_vm_readv in this libc (not Linux)")
 @pytest.mark.timeout(120)
 def test_registered_and_plain_buffers_mix_where_peers_read_plain_ones_by_cma():
