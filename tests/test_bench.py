@@ -225,6 +225,26 @@ def test_missing_peer_reason_is_one_line(monkeypatch):
     assert "no mpiexec" in jobs.missing_reason("mpi")
 
 
+def test_a_ringcomm_job_meets_through_a_store_the_bench_already_serves():
+    # The port is bound before any rank starts (no window in which another process could take it),
+    # and the ranks are told to join it as clients; torch's ranks still get a port of their own.
+    from ringcomm.store import TCPStore
+    cfg, token = {"timeout": 30.0, "job_id": "t1"}, "a" * 32
+    store = jobs.host_store(cfg, token)
+    try:
+        _, envs = jobs._commands("ringcomm", 2, cfg, token, store)
+        assert [e["MASTER_PORT"] for e in envs] == [str(store.port)] * 2
+        assert all(e[jobs.STORE_ENV] == "1" and e["RINGCOMM_TOKEN"] == token for e in envs)
+        client = TCPStore("127.0.0.1", store.port, is_server=False, token=token, timeout=5)
+        client.set("k", b"v")
+        assert store.get("k") == b"v"
+        client.close()
+    finally:
+        store.close()
+    _, envs = jobs._commands("gloo", 2, cfg, token, None)
+    assert all(jobs.STORE_ENV not in e and int(e["MASTER_PORT"]) > 0 for e in envs)
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot needs the bench extra's matplotlib")
     from ringcomm.bench import plot

@@ -1,6 +1,7 @@
 """Start one backend's ranks, follow rank 0's reports with a deadline, and always clean up.
 
-ringcomm, gloo and nccl ranks get torchrun's environment (as ringcomm-run gives them); MPI ranks are
+ringcomm, gloo and nccl ranks get torchrun's environment (as ringcomm-run gives them), ringcomm's with
+a store this process already serves (host_store); MPI ranks are
 started by the mpiexec that belongs to the MPI that mpi4py loads (the `mpich` wheel puts it beside
 this Python). Only rank 0 writes to a pipe; every rank's stderr goes to a file, whose last lines
 explain a failure.
@@ -22,6 +23,7 @@ import time
 
 from ringcomm.launch import free_port, remove_shm
 
+from .backends import STORE_ENV
 from .worker import PREFIX
 
 EXTRA_HINT = "pip install 'ringcomm[bench]'"
@@ -72,15 +74,19 @@ def missing_reason(peer: str) -> str | None:
     return None
 
 
-def _commands(backend: str, n: int, cfg: dict) -> tuple[list[list[str]], list[dict]]:
-    """(one command per process to start, its environment)."""
+def _commands(backend: str, n: int, cfg: dict, token: str, store) -> tuple[list[list[str]], list[dict]]:
+    """(one command per process to start, its environment); ``store``: the ringcomm job's store,
+    served here (host_store), None for the other backends."""
     worker = [sys.executable, "-m", "ringcomm.bench.worker", backend, json.dumps(cfg)]
     base = dict(os.environ, PYTHONUNBUFFERED="1")
     if backend == "mpi":
         return [[find_mpiexec(), "-n", str(n)] + worker], [base]
-    job = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port("127.0.0.1")), WORLD_SIZE=str(n),
-               LOCAL_WORLD_SIZE=str(n), RINGCOMM_TOKEN=secrets.token_hex(16),
-               RINGCOMM_JOB_ID=cfg["job_id"])
+    job = dict(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
+               RINGCOMM_TOKEN=token, RINGCOMM_JOB_ID=cfg["job_id"])
+    if store is not None:
+        job.update(MASTER_PORT=str(store.port), **{STORE_ENV: "1"})
+    else:  # torch's rank 0 binds it (env://): the window free_port() describes stays open for gloo
+        job["MASTER_PORT"] = str(free_port("127.0.0.1"))
     if cfg.get("transport"):
         job["RINGCOMM_TRANSPORT"] = cfg["transport"]
     if cfg.get("engine"):
@@ -90,6 +96,16 @@ def _commands(backend: str, n: int, cfg: dict) -> tuple[list[list[str]], list[di
     return [worker] * n, envs
 
 
+def host_store(cfg: dict, token: str):
+    """The store a ringcomm job's ranks meet through, served by this process on a port it binds
+    itself (its ranks are told STORE_ENV, and all join as clients). A port that free_port() picks
+    and rank 0 binds a moment later can be taken in between by any process that binds port 0,
+    and with --alternate gloo's and MPICH's ranks start at that moment: once in a few hundred
+    jobs a sweep failed with "could not start the store server ...: Address already in use"."""
+    from ringcomm.store import TCPStore
+    return TCPStore("127.0.0.1", 0, is_server=True, token=token, timeout=cfg["timeout"])
+
+
 class Job:
     """The processes of one backend's sweep. Iterate events(); close() in a finally."""
 
@@ -97,7 +113,9 @@ class Job:
         self.backend, self.timeout = backend, cfg["timeout"]
         self.job_id = cfg["job_id"]
         self.procs, self.logs, self.lines = [], [], queue.Queue()
-        cmds, envs = _commands(backend, n, cfg)
+        token = secrets.token_hex(16)
+        self.store = host_store(cfg, token) if backend == "ringcomm" else None
+        cmds, envs = _commands(backend, n, cfg, token, self.store)
         try:
             for i, (cmd, env) in enumerate(zip(cmds, envs)):
                 log = tempfile.TemporaryFile()
@@ -195,4 +213,6 @@ class Job:
                 p.wait(5.0)
         for log in self.logs:
             log.close()
+        if self.store is not None:
+            self.store.close()
         remove_shm(self.job_id)
