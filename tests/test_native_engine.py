@@ -128,10 +128,10 @@ def test_a_compiled_wait_among_more_ranks_than_cores_yields_until_the_store_or_i
         return wait(ctl, addr, 0, 0, native_sync.cycles())
 
     word = np.zeros(1, np.int64)
-    t0 = time.perf_counter()
+    assert not waiting(_waiting_loop_ctl(0, 30.0), word.ctypes.data)        # no yields: one look
+    t0 = time.perf_counter()   # (after the first call, which compiled `waiting`: seconds on a busy machine)
     assert not waiting(_waiting_loop_ctl(10**9, 0.002), word.ctypes.data)   # endless yields, 2 ms budget
     assert time.perf_counter() - t0 < 1.0
-    assert not waiting(_waiting_loop_ctl(0, 30.0), word.ctypes.data)        # no yields: one look
     ctl = _waiting_loop_ctl(10**12, 30.0)
     assert _sees_the_store(lambda addr: waiting(ctl, addr))
 
@@ -178,6 +178,7 @@ def test_a_compiled_cma_wait_among_more_ranks_than_cores_yields_within_its_budge
         return wait(addr, 1, consts)
 
     word = np.zeros(1, np.int64)
+    assert not waiting(word.ctypes.data, rn.constants(4, 0, 0, yields=0))   # one look (and compiles `waiting`)
     consts = rn.constants(4, 0, 0, yields=10**9)
     assert consts[rn.YIELDS] == 10**9 and consts[rn.YIELD_BUDGET] > 0
     t0 = time.perf_counter()
