@@ -93,11 +93,12 @@ class ReadLane:
             e.go_on(self.ex, sched, call, self.plan, ain, aout, *e._handed_back())
 
 
-def _never_entered(e):
-    """A peer that never enters a read call most often passed plain memory where this rank passed
-    registered memory: it chose another algorithm (registered.settle), and waits in that one. Say so
-    in the timeout's message (PeerTimeout.detail, which the executor appends)."""
-    if isinstance(e, PeerTimeout) and not getattr(e, "detail", ""):
+def _never_entered(e, registered: bool):
+    """A peer that never enters a read call may be late, or in another call, or in this one by
+    another algorithm: where this rank passed registered memory, because the peer passed plain
+    memory (registered.settle chose for each). Say the last in the timeout's message
+    (PeerTimeout.detail, which the executor appends): it is the one a program can get wrong."""
+    if registered and isinstance(e, PeerTimeout) and not getattr(e, "detail", ""):
         e.detail = (f"if rank {e.peer} passed plain memory to this call where this rank passed comm.alloc "
                     f"memory, it runs another algorithm and never enters this one: every rank must pass "
                     f"registered buffers to the same calls (RINGCOMM_DEBUG=check names such a rank at once)")
@@ -353,7 +354,7 @@ class ReadEngine:
         words = self.reg.peers[q, "ctl"].words
         if words[CALLS] < self.calls:  # (the message is made only if it is needed)
             self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(
-                _never_entered(e), f"waiting for {call.name} #{call.seq} to start so as to {verb} the "
+                _never_entered(e, self.reg.holds(call.inp, call.out)), f"waiting for {call.name} #{call.seq} to start so as to {verb} the "
                 f"registered buffer of"), ex, CALLS)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
