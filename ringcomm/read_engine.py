@@ -248,7 +248,7 @@ class ReadEngine:
         size = call.inp.itemsize
         dsts = [self._view(ex, call, q, "out", views, "write into") for q in peers]
         onto_itself = aout + oo * size == ain + io * size
-        cut = read_native.piece_bytes(by_cma=any(isinstance(d, Remote) for d in dsts))
+        cut = read_native.piece_bytes(any(isinstance(d, Remote) for d in dsts), k * size, len(dsts))
         piece = k if onto_itself else max(1, cut // size)
         whole = k * size
         for a in range(0, k, piece):

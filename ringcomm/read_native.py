@@ -68,6 +68,16 @@ READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YI
 # ranks, 16 MiB 1083-1091 against 1102-1109 us, 64 MiB 4310-4334 against 4396-4401).
 CMA_PIECE_BYTES = 512 << 10
 WRITE_PIECE_BYTES = 1 << 20
+# Where a block's CMA writes move this much in all (the block times its peers), they go whole,
+# one process_vm_writev per peer, then the copy: there the pieces measured slower, by more than
+# the copy gains from finding each piece in L2 (not traced; the kernel's work per call, finding
+# and pinning the peer's pages, is the likely cost). Intel VM, 2026-12-03, ringcomm-bench all_gather out of place, 30-call rows alternating
+# with MPICH, two rounds each way (us, 512 KiB pieces against this rule): 2 ranks 16 MiB 1735,
+# 1634 against 1419, 1489; 32 MiB 3697, 3695 against 2826, 3420; 64 MiB 9739, 9470 against 7625,
+# 7893 (MPICH 9619-10789); 3 ranks 12 MiB 3232, 3245 against 2877, 2758; 4 ranks on 2 cores
+# 16 MiB 5653, 6036 against 4513, 4578 (MPICH 3811-4624). Below it the pieces won or tied: 2 ranks
+# 8 MiB (4 MiB blocks) 618-842 us in pieces against 785-793 whole; 4 ranks 8 MiB (2 MiB blocks) level.
+CMA_WHOLE_BYTES = 8 << 20
 YIELD_S = 1e-3    # where ranks outnumber cores, a wait yields (YIELDS times) for at most this long in compiled code
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
 
@@ -115,7 +125,8 @@ def _pieces(steps, spans, i: int, j: int, size: int) -> list:
     piece by piece, all numbered step i."""
     io, nbytes, oo = (v * size for v in spans[j])
     rows = []
-    piece = piece_bytes(by_cma=True)   # the rows' writes are process_vm_writev
+    writes = sum(len(steps[w].remote) for w in range(i, j))
+    piece = piece_bytes(True, nbytes, writes)   # the rows' writes are process_vm_writev
     for a in range(0, nbytes, piece):
         k = min(piece, nbytes - a)
         rows.extend((i, WRITE, q, 1, spans[w][2] * size + a, io + a, k, 0, 0)
@@ -124,11 +135,14 @@ def _pieces(steps, spans, i: int, j: int, size: int) -> list:
     return rows
 
 
-def piece_bytes(by_cma: bool) -> int:
-    """How much of a write_then_copy run either engine takes at a time: CMA_PIECE_BYTES where the
-    writes are process_vm_writev (``by_cma``), else WRITE_PIECE_BYTES (memcpys into registered
-    buffers)."""
-    return CMA_PIECE_BYTES if by_cma else WRITE_PIECE_BYTES
+def piece_bytes(by_cma: bool, block: int, writes: int) -> int:
+    """How much of a write_then_copy run (a ``block``-byte block written to ``writes`` peers, then
+    copied here) either engine takes at a time: where the writes are process_vm_writev
+    (``by_cma``), CMA_PIECE_BYTES, or the whole block once the writes move CMA_WHOLE_BYTES in all;
+    else WRITE_PIECE_BYTES (memcpys into registered buffers)."""
+    if by_cma:
+        return block if block * writes >= CMA_WHOLE_BYTES else CMA_PIECE_BYTES
+    return WRITE_PIECE_BYTES
 
 
 class Prepared:

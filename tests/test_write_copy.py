@@ -201,3 +201,17 @@ def test_the_read_all_gather_writes_its_block_and_the_engine_takes_it_in_pieces(
     broadcast = read_broadcast(0, n, 0)   # the root writes one chunk and copies others: no pairs
     spans = read_engine.step_spans(broadcast, m)
     assert (rn.plan(broadcast, spans, 4, 0)[0] == rn.plan(broadcast, spans, 4, 0, pieces=False)[0]).all()
+    block = -(-rn.CMA_WHOLE_BYTES // (4 * (n - 1))) * 4       # bytes, whole floats: the writes move CMA_WHOLE_BYTES
+    rows, _ = rn.plan(scheds[r], read_engine.step_spans(scheds[r], block // 4), 4, r)
+    assert [row[rn.KIND] for row in rows] == [rn.WRITE] * (n - 1) + [rn.COPY, rn.SYNC_STEP]   # whole
+    assert all(row[rn.NBYTES] == block for row in rows[:-1])
+
+
+def test_cma_writes_go_in_pieces_until_they_move_the_whole_block_size_in_all():
+    from ringcomm import read_native as rn
+    whole = rn.CMA_WHOLE_BYTES
+    assert rn.piece_bytes(True, whole // 2, 1) == rn.CMA_PIECE_BYTES        # 2 ranks, 4 MiB blocks
+    assert rn.piece_bytes(True, whole // 2, 2) == whole // 2                # 3 ranks: two writes
+    assert rn.piece_bytes(True, whole // 4, 3) == rn.CMA_PIECE_BYTES        # 4 ranks, 2 MiB blocks
+    assert rn.piece_bytes(True, 3 * whole, 1) == 3 * whole
+    assert rn.piece_bytes(False, 3 * whole, 3) == rn.WRITE_PIECE_BYTES      # memcpys into registered memory
