@@ -13,10 +13,14 @@ import threading
 
 from .assemble import assemble
 from .comm import Communicator
-from .env import env_number
+from .env import env_number, env_switch
 from .errors import StoreError
 
 DEFAULT_TIMEOUT = 300.0
+# Set (to 1) by a launcher that serves the store at MASTER_ADDR:MASTER_PORT itself, on a port it
+# bound before starting the ranks (ringcomm-bench: jobs.host_store): rank 0 then joins it as a
+# client, like every other rank, instead of serving it.
+STORE_HOSTED_ENV = "RINGCOMM_STORE_HOSTED"
 
 _LAUNCHERS = (  # (rank, world size, local rank) variables, in order of preference
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -91,7 +95,8 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
             store = HashStore()
         else:
             host, port = _store_address()
-            store = TCPStore(host, port, is_server=rank == 0, token=token, timeout=timeout)
+            hosted = STORE_HOSTED_ENV in os.environ and env_switch(STORE_HOSTED_ENV)
+            store = TCPStore(host, port, is_server=rank == 0 and not hosted, token=token, timeout=timeout)
     try:
         return _join(rank, world_size, local_rank, store, owns_store, timeout, token)
     except StoreError as e:

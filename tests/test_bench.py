@@ -234,7 +234,7 @@ def test_a_ringcomm_job_meets_through_a_store_the_bench_already_serves():
     try:
         _, envs = jobs._commands("ringcomm", 2, cfg, token, store)
         assert [e["MASTER_PORT"] for e in envs] == [str(store.port)] * 2
-        assert all(e[jobs.STORE_ENV] == "1" and e["RINGCOMM_TOKEN"] == token for e in envs)
+        assert all(e[jobs.STORE_HOSTED_ENV] == "1" and e["RINGCOMM_TOKEN"] == token for e in envs)
         client = TCPStore("127.0.0.1", store.port, is_server=False, token=token, timeout=5)
         client.set("k", b"v")
         assert store.get("k") == b"v"
@@ -242,7 +242,7 @@ def test_a_ringcomm_job_meets_through_a_store_the_bench_already_serves():
     finally:
         store.close()
     _, envs = jobs._commands("gloo", 2, cfg, token, None)
-    assert all(jobs.STORE_ENV not in e and int(e["MASTER_PORT"]) > 0 for e in envs)
+    assert all(jobs.STORE_HOSTED_ENV not in e and int(e["MASTER_PORT"]) > 0 for e in envs)
 
 
 def test_plot_writes_a_png(tmp_path):

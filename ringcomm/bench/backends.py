@@ -17,11 +17,6 @@ import sys
 import numpy as np
 
 
-# Set by the bench (jobs.host_store): the job's store is served by ringcomm-bench itself, at
-# MASTER_ADDR:MASTER_PORT, and every rank joins it as a client.
-STORE_ENV = "RINGCOMM_BENCH_STORE"
-
-
 class Unsupported(Exception):
     """This backend cannot run this collective / dtype / op; the message says why."""
 
@@ -87,15 +82,7 @@ class RingcommBackend(Backend):
 
     def __init__(self, algo=None):
         import ringcomm
-        self.store = None
-        if os.environ.get(STORE_ENV):
-            from ringcomm.env import env_number
-            from ringcomm.init import DEFAULT_TIMEOUT
-            from ringcomm.store import TCPStore
-            self.store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_server=False,
-                                  token=os.environ.get("RINGCOMM_TOKEN", ""),
-                                  timeout=env_number("RINGCOMM_TIMEOUT", DEFAULT_TIMEOUT))
-        self.comm = ringcomm.init(store=self.store)
+        self.comm = ringcomm.init()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.algo = algo
 
@@ -153,8 +140,6 @@ class RingcommBackend(Backend):
 
     def close(self):
         self.comm.close()
-        if self.store is not None:
-            self.store.close()
 
 
 def make_backend(name: str, algo=None) -> Backend:

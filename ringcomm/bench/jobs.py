@@ -21,9 +21,9 @@ import tempfile
 import threading
 import time
 
+from ringcomm.init import STORE_HOSTED_ENV
 from ringcomm.launch import free_port, remove_shm
 
-from .backends import STORE_ENV
 from .worker import PREFIX
 
 EXTRA_HINT = "pip install 'ringcomm[bench]'"
@@ -84,7 +84,7 @@ def _commands(backend: str, n: int, cfg: dict, token: str, store) -> tuple[list[
     job = dict(MASTER_ADDR="127.0.0.1", WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n),
                RINGCOMM_TOKEN=token, RINGCOMM_JOB_ID=cfg["job_id"])
     if store is not None:
-        job.update(MASTER_PORT=str(store.port), **{STORE_ENV: "1"})
+        job.update(MASTER_PORT=str(store.port), **{STORE_HOSTED_ENV: "1"})
     else:  # torch's rank 0 binds it (env://): the window free_port() describes stays open for gloo
         job["MASTER_PORT"] = str(free_port("127.0.0.1"))
     if cfg.get("transport"):
@@ -98,10 +98,11 @@ def _commands(backend: str, n: int, cfg: dict, token: str, store) -> tuple[list[
 
 def host_store(cfg: dict, token: str):
     """The store a ringcomm job's ranks meet through, served by this process on a port it binds
-    itself (its ranks are told STORE_ENV, and all join as clients). A port that free_port() picks
-    and rank 0 binds a moment later can be taken in between by any process that binds port 0,
-    and with --alternate gloo's and MPICH's ranks start at that moment: once in a few hundred
-    jobs a sweep failed with "could not start the store server ...: Address already in use"."""
+    itself; its ranks are told so (STORE_HOSTED_ENV), and ringcomm.init makes each a client. A port
+    that free_port() picks and rank 0 binds a moment later can be taken in between by any process
+    that binds port 0, and with --alternate gloo's and MPICH's ranks start at that moment: once in
+    a few hundred jobs a sweep failed with "could not start the store server ...: Address already
+    in use"."""
     from ringcomm.store import TCPStore
     return TCPStore("127.0.0.1", 0, is_server=True, token=token, timeout=cfg["timeout"])
 
