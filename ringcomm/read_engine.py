@@ -243,8 +243,9 @@ class ReadEngine:
     def _write_then_copy(self, ex, call, peers, views, ain: int, aout: int, io: int, k: int, there, oo: int):
         """All_gather's writes of this rank's input block [io, io+k) to each of ``peers`` (at
         their output offsets ``there``), then its copy to this output at ``oo``, taken a piece at
-        a time (read_native.write_then_copy): the copy reads each piece from cache. In place there
-        is no copy, and the block goes in one write (a system call per piece cost 5-9%)."""
+        a time (read_native.write_then_copy, piece_bytes): the copy reads each piece from cache.
+        In place there is no copy, and the block goes in one write (a system call per piece cost
+        5-9%); so does a block whose CMA writes move CMA_WHOLE_BYTES in all."""
         size = call.inp.itemsize
         dsts = [self._view(ex, call, q, "out", views, "write into") for q in peers]
         onto_itself = aout + oo * size == ain + io * size
@@ -354,8 +355,9 @@ class ReadEngine:
         words = self.reg.peers[q, "ctl"].words
         if words[CALLS] < self.calls:  # (the message is made only if it is needed)
             self.reg.wait(q, lambda: words[CALLS] >= self.calls, lambda e: ex._explain(
-                _never_entered(e, self.reg.holds(call.inp, call.out)), f"waiting for {call.name} #{call.seq} to start so as to {verb} the "
-                f"registered buffer of"), ex, CALLS)
+                _never_entered(e, self.reg.holds(call.inp, call.out)),
+                f"waiting for {call.name} #{call.seq} to start so as to {verb} the registered buffer of"),
+                ex, CALLS)
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
         arr = call.inp if which == "in" else call.out

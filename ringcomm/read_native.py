@@ -71,12 +71,13 @@ WRITE_PIECE_BYTES = 1 << 20
 # Where a block's CMA writes move this much in all (the block times its peers), they go whole,
 # one process_vm_writev per peer, then the copy: there the pieces measured slower, by more than
 # the copy gains from finding each piece in L2 (not traced; the kernel's work per call, finding
-# and pinning the peer's pages, is the likely cost). Intel VM, 2026-12-03, ringcomm-bench all_gather out of place, 30-call rows alternating
-# with MPICH, two rounds each way (us, 512 KiB pieces against this rule): 2 ranks 16 MiB 1735,
-# 1634 against 1419, 1489; 32 MiB 3697, 3695 against 2826, 3420; 64 MiB 9739, 9470 against 7625,
-# 7893 (MPICH 9619-10789); 3 ranks 12 MiB 3232, 3245 against 2877, 2758; 4 ranks on 2 cores
-# 16 MiB 5653, 6036 against 4513, 4578 (MPICH 3811-4624). Below it the pieces won or tied: 2 ranks
-# 8 MiB (4 MiB blocks) 618-842 us in pieces against 785-793 whole; 4 ranks 8 MiB (2 MiB blocks) level.
+# and pinning the peer's pages, is the likely cost). Intel VM, 2026-12-03, ringcomm-bench
+# all_gather out of place, 30-call rows alternating with MPICH, two rounds each way (us, 512 KiB
+# pieces against this rule): 2 ranks 16 MiB 1735, 1634 against 1419, 1489; 32 MiB 3697, 3695
+# against 2826, 3420; 64 MiB 9739, 9470 against 7625, 7893 (MPICH 9619-10789); 3 ranks 12 MiB
+# 3232, 3245 against 2877, 2758; 4 ranks on 2 cores 16 MiB 5653, 6036 against 4513, 4578 (MPICH
+# 3811-4624). Below it the pieces won or tied: 2 ranks 8 MiB (4 MiB blocks) 618-842 us in pieces
+# against 785-793 whole; 4 ranks 8 MiB (2 MiB blocks) level.
 CMA_WHOLE_BYTES = 8 << 20
 YIELD_S = 1e-3    # where ranks outnumber cores, a wait yields (YIELDS times) for at most this long in compiled code
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
