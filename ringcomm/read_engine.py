@@ -245,7 +245,8 @@ class ReadEngine:
         their output offsets ``there``), then its copy to this output at ``oo``, taken a piece at
         a time (read_native.write_then_copy, piece_bytes): the copy reads each piece from cache.
         In place there is no copy, and the block goes in one write (a system call per piece cost
-        5-9%); so does a block whose CMA writes move CMA_WHOLE_BYTES in all."""
+        5-9%); so does a CMA-written block of CMA_WHOLE_BLOCK_BYTES, or whose writes move
+        CMA_WHOLE_BYTES in all."""
         size = call.inp.itemsize
         dsts = [self._view(ex, call, q, "out", views, "write into") for q in peers]
         onto_itself = aout + oo * size == ain + io * size

@@ -79,6 +79,13 @@ WRITE_PIECE_BYTES = 1 << 20
 # 3811-4624). Below it the pieces won or tied: 2 ranks 8 MiB (4 MiB blocks) 618-842 us in pieces
 # against 785-793 whole; 4 ranks 8 MiB (2 MiB blocks) level.
 CMA_WHOLE_BYTES = 8 << 20
+# A block this big goes whole too, however few its peers: the 2-rank 8 MiB row (4 MiB blocks,
+# one write) measured mixed above, then in five alternating rounds of the next session whole
+# blocks won every one: 787-832 us against 805-1013 in 512 KiB pieces (MPICH 667-763); 1 and
+# 2 MiB pieces lost too (822-949). Smaller blocks keep the pieces: 2 ranks 4 MiB (2 MiB blocks)
+# 315-334 against 403-406 whole, 3 ranks 6 MiB (2 MiB blocks, two writes) 1020-1183 against
+# 1307-1465; 4 ranks 8 MiB (2 MiB blocks, three writes) level (2226-2348 against 2187-2352).
+CMA_WHOLE_BLOCK_BYTES = 4 << 20
 YIELD_S = 1e-3    # where ranks outnumber cores, a wait yields (YIELDS times) for at most this long in compiled code
 SPIN_S = 200e-6   # a wait polls this long in compiled code before Python's waits take it over
 
@@ -139,10 +146,11 @@ def _pieces(steps, spans, i: int, j: int, size: int) -> list:
 def piece_bytes(by_cma: bool, block: int, writes: int) -> int:
     """How much of a write_then_copy run (a ``block``-byte block written to ``writes`` peers, then
     copied here) either engine takes at a time: where the writes are process_vm_writev
-    (``by_cma``), CMA_PIECE_BYTES, or the whole block once the writes move CMA_WHOLE_BYTES in all;
-    else WRITE_PIECE_BYTES (memcpys into registered buffers)."""
+    (``by_cma``), CMA_PIECE_BYTES, or the whole block once it holds CMA_WHOLE_BLOCK_BYTES or its
+    writes move CMA_WHOLE_BYTES in all; else WRITE_PIECE_BYTES (memcpys into registered buffers)."""
     if by_cma:
-        return block if block * writes >= CMA_WHOLE_BYTES else CMA_PIECE_BYTES
+        whole = block >= CMA_WHOLE_BLOCK_BYTES or block * writes >= CMA_WHOLE_BYTES
+        return block if whole else CMA_PIECE_BYTES
     return WRITE_PIECE_BYTES
 
 

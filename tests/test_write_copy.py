@@ -207,11 +207,15 @@ def test_the_read_all_gather_writes_its_block_and_the_engine_takes_it_in_pieces(
     assert all(row[rn.NBYTES] == block for row in rows[:-1])
 
 
-def test_cma_writes_go_in_pieces_until_they_move_the_whole_block_size_in_all():
+def test_cma_writes_go_in_pieces_until_the_block_or_its_writes_are_big():
     from ringcomm import read_native as rn
-    whole = rn.CMA_WHOLE_BYTES
-    assert rn.piece_bytes(True, whole // 2, 1) == rn.CMA_PIECE_BYTES        # 2 ranks, 4 MiB blocks
-    assert rn.piece_bytes(True, whole // 2, 2) == whole // 2                # 3 ranks: two writes
-    assert rn.piece_bytes(True, whole // 4, 3) == rn.CMA_PIECE_BYTES        # 4 ranks, 2 MiB blocks
+    whole, big = rn.CMA_WHOLE_BYTES, rn.CMA_WHOLE_BLOCK_BYTES
+    assert big < whole
+    assert rn.piece_bytes(True, big // 2, 1) == rn.CMA_PIECE_BYTES          # 2 ranks, 2 MiB blocks
+    assert rn.piece_bytes(True, big // 2, 2) == rn.CMA_PIECE_BYTES          # 3 ranks, 2 MiB blocks
+    assert rn.piece_bytes(True, big - 4, 1) == rn.CMA_PIECE_BYTES
+    assert rn.piece_bytes(True, big, 1) == big                              # 2 ranks, 4 MiB blocks
+    third = -(-whole // 3)
+    assert rn.piece_bytes(True, third, 3) == third                          # 4 ranks: three writes move 8 MiB
     assert rn.piece_bytes(True, 3 * whole, 1) == 3 * whole
     assert rn.piece_bytes(False, 3 * whole, 3) == rn.WRITE_PIECE_BYTES      # memcpys into registered memory
