@@ -174,9 +174,9 @@ class ReadEngine:
     def _compiled(self, ex, plan: _Plan, call):
         """read_native's plan for this call, where the compiled path applies: the native engine, plain
         buffers read by CMA (no allocation of this rank's is registered), a schedule that only
-        copies, and local copies below stream_copy's threshold (the compiled path does not stream)."""
+        copies (its large local copies stream past the caches there too: read_native._copy)."""
         reg = self.reg
-        if ex.native is None or not reg.cma or reg.mine or call.out.nbytes >= stream_copy.STREAM_MIN_BYTES:
+        if ex.native is None or not reg.cma or reg.mine:
             return None
         if plan.native is False:
             made = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank, pieces=not plan.in_place)

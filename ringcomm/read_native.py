@@ -8,7 +8,7 @@ schedules that only copy (broadcast, all_gather: schedule/onecopy.py) this modul
 call in one compiled function over a plan of rows, one per copy, read, write or sync:
 
     publish the descriptor and CALLS            (as ReadEngine.run, then wake sleeping peers)
-    copy      out[oo:oo+k] = inp[io:io+k]       (memmove; none when in place)
+    copy      out[oo:oo+k] = inp[io:io+k]       (memmove, streamed as stream_copy's; none in place)
     read      out[oo:oo+k] = peer's in/out      (process_vm_readv, once the peer has entered)
     write     peer's out[oo:oo+k] = inp[io:io+k] (process_vm_writev)
     sync      arrive at each pair's count, then wait for the peers' (as ReadEngine._sync)
@@ -33,7 +33,7 @@ import numpy as np
 from ringcomm.transport import futex
 from ringcomm.transport.futex import FUTEX_WAKE, SYS_FUTEX
 
-from . import ctl_layout, native_sync
+from . import ctl_layout, native_sync, stream_copy
 from .ctl_layout import CALLS, DESC, PID, SYNC
 
 DONE, WAIT, HAND_BACK = 0, 1, 2   # what the compiled call returns; res = (step, arrived) for the last two
@@ -52,7 +52,8 @@ COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
 # peers as (start, count) in the plan's peer list.
 STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
-READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET = range(11)  # constants()
+READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET, STREAM_MIN = \
+    range(12)  # constants()
 # all_gather writes its block to each peer and copies it here a piece at a time (write_then_copy): the
 # copy reads the piece from cache. Two processes each moving their half of an all_gather's output,
 # numpy and CMA only: 16 MiB 1243 us reading the peer's block by CMA, then copying its own;
@@ -197,15 +198,18 @@ def write_then_copy(steps, spans, i: int) -> int:
 
 
 def constants(n: int, me: int, budget: int, yields: int = 0) -> np.ndarray:
-    """What the compiled call needs to know besides the call (indexed by READV ... YIELD_BUDGET):
+    """What the compiled call needs to know besides the call (indexed by READV ... STREAM_MIN):
     the addresses of process_vm_readv, process_vm_writev, syscall, memmove and sched_yield,
-    futex's system call number, then the ranks, this rank, the spin budget (cycles), and how many
+    futex's system call number, then the ranks, this rank, the spin budget (cycles), how many
     sched_yield()s a wait makes after it (ranks outnumbering cores: 0 spin, some yields) within
-    YIELD_S."""
+    YIELD_S, and the local copies it streams past the caches (from stream_copy.STREAM_MIN_BYTES,
+    as Python's path does; 0: none, where streaming is off)."""
     fns = [native_sync.libc_address(f) for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove",
                                                   "sched_yield")]
     yield_budget = int(YIELD_S * native_sync.cycles_per_second()) if yields else 0
-    return np.array(fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget, yields, yield_budget], np.int64)
+    stream_min = stream_copy.STREAM_MIN_BYTES if stream_copy.enabled() else 0
+    return np.array(fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget, yields, yield_budget, stream_min],
+                    np.int64)
 
 
 def kernel():
@@ -224,7 +228,8 @@ def kernel():
                 jit = numba.njit(nogil=True)
                 g = globals()
                 g["_carray"] = numba.carray
-                for name in ("_yield_until", "_wait_at_least", "_transfer", "_wake", "_sleep_flag", "_run_call"):
+                for name in ("_yield_until", "_wait_at_least", "_transfer", "_copy", "_wake", "_sleep_flag",
+                             "_run_call"):
                     g[name] = jit(g[name])
                 compiled = numba.njit(types.int64(types.int64[::1]), nogil=True, cache=True)(_enter)
                 compiled.disable_compile()
@@ -262,6 +267,23 @@ def _transfer(fn, pid, local, remote, nbytes, iov):
     return True
 
 
+def _copy(dst, src, nbytes, consts):
+    """A local copy: memmove, or from STREAM_MIN bytes (where they do not overlap) ordinary stores
+    up to dst's first 64-byte line, whole lines with non-temporal stores, the rest by memmove, and
+    a fence (stream_copy._copy_streaming's way, by address)."""
+    if nbytes < consts[STREAM_MIN] or consts[STREAM_MIN] == 0 or (dst < src + nbytes and src < dst + nbytes):
+        native_sync.call_c(consts[MEMMOVE], dst, src, nbytes, 0, 0, 0)
+        return
+    head = min(nbytes, (-dst) & 63)
+    native_sync.call_c(consts[MEMMOVE], dst, src, head, 0, 0, 0)
+    lines = (nbytes - head) // 64
+    for i in range(lines):
+        native_sync.stream_line(dst + head + 64 * i, src + head + 64 * i)
+    done = head + 64 * lines
+    native_sync.call_c(consts[MEMMOVE], dst + done, src + done, nbytes - done, 0, 0, 0)
+    native_sync.stream_fence()
+
+
 def _wake(base, word, peers, n, me, consts):
     """Wake the peers asleep on this rank's words (their flag for this rank is set), as
     Registry.publish; the fence keeps the flag's load after the store that announced the word."""
@@ -278,7 +300,7 @@ _carray = None   # numba.carray, set by kernel()
 
 def _enter(a):
     """_run_call over the arrays and values that argument block ``a`` names (arguments())."""
-    consts = _carray(native_sync.typed_ptr(a[A_CONSTS], a), YIELD_BUDGET + 1)
+    consts = _carray(native_sync.typed_ptr(a[A_CONSTS], a), STREAM_MIN + 1)
     n = consts[NRANKS]
     rows = _carray(native_sync.typed_ptr(a[A_ROWS], a), (a[A_NROWS], ROW))
     speers = _carray(native_sync.typed_ptr(a[A_SPEERS], a), a[A_NSPEERS])
@@ -313,7 +335,7 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
         if kind == COPY:
             src, dst = ain + rows[r, THERE], aout + rows[r, HERE]
             if nbytes > 0 and src != dst:
-                native_sync.call_c(consts[MEMMOVE], dst, src, nbytes, 0, 0, 0)
+                _copy(dst, src, nbytes, consts)
         elif kind == SYNC_STEP:
             first, count = rows[r, SPEERS], rows[r, NSPEERS]
             if not (arrived and step == start):

@@ -9,8 +9,9 @@ own, but on this VM (AMD EPYC, 32 MiB L3, 2 vCPUs) its large copies run at 11-13
 64-byte vector store per line (native_sync.stream_line) runs at 17-18 GB/s on one core, and
 14.6-15.3 against 11.2-11.5 with the other core copying too (docs/06, "Copies past the caches").
 
-Where it is used: the one-copy engine's large copies (read_engine.py): an out-of-place
-all_gather's own block, and the copies out of, or into, a peer's registered buffer. Below
+Where it is used: the one-copy engine's large copies (read_engine.py, and read_native.py's
+compiled calls by address): an out-of-place all_gather's own block, and the copies out of, or
+into, a peer's registered buffer. Below
 STREAM_MIN_BYTES memcpy wins: the buffers then stay in L2/L3, where an ordinary copy runs at
 ~45 GB/s and the next reader finds the data in cache. Reductions' outputs and the FIFO slots
 keep ordinary stores (or the slots' own streaming): streamed, they measured slower (docs/06).

@@ -27,7 +27,7 @@ def _cases(n):
             i += 1
     cases.append(dict(collective="all_gather", dtype="float32", op="sum", count=(1 << 20) + 3, algo=None,
                       root=0, inplace=True, seed=99))
-    # out of place, 8 MiB and 12 bytes a rank: the own block's copy streams (stream_copy)
+    # out of place, 8 MiB and 12 bytes a rank: the own block's copy streams (read_native._copy)
     cases.append(dict(collective="all_gather", dtype="float32", op="sum", count=(2 << 20) + 3, algo=None,
                       root=0, inplace=False, seed=98))
     # reductions of fetched pieces: several pieces and a short last one, every op, 1- to 8-byte types

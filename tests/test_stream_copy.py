@@ -51,3 +51,33 @@ def test_knob_rejects_nonsense(monkeypatch):
         stream_copy.enabled()
     monkeypatch.setenv("RINGCOMM_STREAM_COPY", "0")
     assert not stream_copy.enabled()
+
+
+@pytest.mark.parametrize("dst_off", [0, 1, 63])
+@pytest.mark.parametrize("src_off", [0, 3])
+@pytest.mark.parametrize("nbytes", [0, 1, 64, 65, 200, 4096 + 17])
+def test_the_compiled_read_calls_copy_streams_the_same_bytes_by_address(dst_off, src_off, nbytes):
+    """read_native's local copy (its copy rows), by address: memmove below consts[STREAM_MIN], lines
+    streamed from it; here the threshold is 1 byte, so every case streams what it can."""
+    from ringcomm import read_native as rn
+    rn.kernel()
+    consts = rn.constants(2, 0, 0)
+    consts[rn.STREAM_MIN] = 1
+    rng = np.random.default_rng(nbytes + 7 * dst_off + src_off)
+    src_all = rng.integers(0, 256, nbytes + 128, dtype=np.uint8)
+    dst_all = np.zeros(nbytes + 128, np.uint8)
+    rn._copy(dst_all.ctypes.data + dst_off, src_all.ctypes.data + src_off, nbytes, consts)
+    np.testing.assert_array_equal(dst_all[dst_off:dst_off + nbytes], src_all[src_off:src_off + nbytes])
+    assert not dst_all[:dst_off].any() and not dst_all[dst_off + nbytes:].any()   # nothing outside
+
+
+def test_the_compiled_read_calls_copy_of_overlapping_bytes_is_a_memmove():
+    from ringcomm import read_native as rn
+    rn.kernel()
+    consts = rn.constants(2, 0, 0)
+    consts[rn.STREAM_MIN] = 1
+    buf = np.arange(5000, dtype=np.uint8)
+    want = buf[:4000].copy()
+    rn._copy(buf.ctypes.data + 100, buf.ctypes.data, 4000, consts)   # forward overlap: streaming would smear it
+    np.testing.assert_array_equal(buf[100:4100], want)
+    assert rn.constants(2, 0, 0)[rn.STREAM_MIN] == stream_copy.STREAM_MIN_BYTES
