@@ -26,7 +26,7 @@ from ringcomm.kernels import host as kernels
 from ringcomm.transport.base import Backoff, PeerGone, PeerTimeout
 from ringcomm.transport.cma import CmaError
 
-from . import native_sync, read_native, stream_copy
+from . import fetch_reduce, native_sync, read_native, stream_copy
 from .buffers import address
 from .ctl_layout import CALLS, DESC, PID, SYNC
 from .errors import RingcommError
@@ -302,6 +302,37 @@ class ReadEngine:
             kernels.postprocess(out, call.op, self.reg.n)
 
     def _reduce(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
+        """out = srcs[0] op srcs[1] op ..., in that order (_reduce_pieces); where peers' plain
+        buffers are among them and the engine is the native one, in fetch_reduce's compiled loop,
+        whose pieces are these, and Python's loop only from a piece whose read failed (it reads
+        it again, and says why)."""
+        remote = [j for j, s in enumerate(srcs) if isinstance(s, Remote)]
+        if (remote and ex.native is not None and len(srcs) >= 2 and len(srcs) - len(remote) <= 1
+                and fetch_reduce.loop(out.dtype) is not None):
+            failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch)
+            if failed < 0:
+                return
+            out, srcs = out[failed:], [s[failed:] for s in srcs]
+        self._reduce_pieces(ex, call, out, srcs, fn, via_scratch)
+
+    def _reduce_compiled(self, ex, call, out, srcs, remote: list, via_scratch: bool) -> int:
+        """fetch_reduce.run over this step: -1 when done, else where its read failed."""
+        own_j = next((j for j, s in enumerate(srcs) if not isinstance(s, Remote)), -1)
+        own = None if own_j < 0 else srcs[own_j]
+        into = remote[0] if not via_scratch and (own is None or not np.may_share_memory(out, own)) else -1
+        piece = max(1, FETCH_PIECE_BYTES // out.itemsize)
+        pids = np.array([0 if j == own_j else s.pid for j, s in enumerate(srcs)], np.int64)
+        addrs = np.array([0 if j == own_j else s.addr for j, s in enumerate(srcs)], np.int64)
+        scratch = self._scratch(out.dtype, (len(srcs) + 1) * piece, "fetch")[:(len(srcs) + 1) * piece]
+        if self.iov is None:
+            self.iov = np.empty(4, np.int64)
+        ex._waiting = (srcs[remote[0]].peer, "read", 0, time.monotonic())
+        failed = fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
+                                  call.op, into, via_scratch, self.iov)
+        ex._waiting = None
+        return failed
+
+    def _reduce_pieces(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
         """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
         input (in place) and that input is not among the first two operands, the first operation
         would overwrite it before it is read: those pieces are built in a scratch buffer.
@@ -342,7 +373,7 @@ class ReadEngine:
 
     def _scratch(self, dtype, size, which: int = 0) -> np.ndarray:
         """A reusable buffer of at least ``size`` elements: 0 for in-place pieces, 1 + j for the
-        fetched pieces of operand j."""
+        fetched pieces of operand j, "fetch" for fetch_reduce's rows."""
         buf = self.scratch.get((dtype, which))
         if buf is None or buf.size < size:
             buf = self.scratch[dtype, which] = np.empty(size, dtype)

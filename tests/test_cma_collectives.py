@@ -76,6 +76,52 @@ def test_collectives_read_plain_buffers_by_cma_as_right_as_by_the_fifos():
     assert errors == [[]] * 3, "\n".join(e for errs in errors for e in errs)
 
 
+def _engines_agree(comm, cases):
+    """Each reducing case by CMA on the native engine (its reducing steps in fetch_reduce's compiled
+    loop, counted) and on the reference engine (Python's loop): right both times, the same bits."""
+    from ringcomm import fetch_reduce
+    run, ran, errors = fetch_reduce.run, [0], []
+
+    def counted(*args):
+        ran[0] += 1
+        return run(*args)
+    fetch_reduce.run = counted
+    for case in cases:
+        got = {}
+        for engine in ("native", "python"):
+            comm._executor.engine = engine
+            before = ran[0]
+            result, want = call_case(comm, case)
+            err = compare(result, want, case)
+            if err:
+                errors.append(f"{engine}: {err}")
+            if (ran[0] > before) != (engine == "native"):
+                errors.append(f"{engine}: {case}: {ran[0] - before} compiled steps")
+            got[engine] = result.tobytes()
+        if got["native"] != got["python"]:
+            errors.append(f"{case}: the engines' bits differ")
+    fetch_reduce.run = run
+    return errors
+
+
+@pytest.mark.timeout(240)
+def test_reducing_read_steps_give_the_same_bits_compiled_as_in_python():
+    # 2 and 3 ranks (three operands: the fold goes on past the first pair; in place on 3 ranks, a
+    # rank whose own input is the third operand builds each piece in scratch), pieces and a tail
+    cases = []
+    for j, (coll, dtype, op) in enumerate([("all_reduce", "float32", "sum"), ("all_reduce", "float16", "avg"),
+                                           ("all_reduce", "bfloat16", "prod"), ("all_reduce", "int8", "max"),
+                                           ("reduce_scatter", "float64", "min"), ("reduce_scatter", "int32", "avg"),
+                                           ("reduce_scatter", "float32", "sum"), ("all_reduce", "uint8", "sum")]):
+        count = 3 * ((1 << 18) // np.dtype("float32" if dtype == "bfloat16" else dtype).itemsize) + 7 * 6
+        cases.append(dict(collective=coll, dtype=dtype, op=op, count=count, algo=None, root=0,
+                          inplace=bool(j % 2), seed=70 + j))
+    for n in (2, 3):
+        with World(n, {"RINGCOMM_CMA_MIN": "1"}, timeout=120) as w:
+            errors = w.run(_engines_agree, cases, timeout=200)
+        assert errors == [[]] * n, "\n".join(e for errs in errors for e in errs)
+
+
 def _late_and_mismatched(comm, engine):
     """On 2 ranks, copy-only calls on one engine: rank 1 entering 0.2 s late (the compiled wait
     hands over to Python's), then sizes that differ between the ranks (an error on both, no hang)."""
@@ -166,9 +212,11 @@ def _die_during(comm, method, root, collective, engine):
     """Rank 0 copies by CMA to or from rank 1 (copy_to: it reads rank 1's buffer, the broadcast's
     root or an all_reduce's input chunk to reduce; copy_from: as the root it writes half of rank
     1's); rank 1 is killed just as the copy starts: in Python's Remote copy (the reference engine,
-    and reductions), or, for the compiled copy-only calls (read_native.py), once rank 1 has
-    entered the call and before the compiled code reads its descriptor."""
-    from ringcomm import plain_read, read_engine
+    and the native engine's copies of reducing calls), for the compiled copy-only calls
+    (read_native.py) once rank 1 has entered the call and before the compiled code reads its
+    descriptor, and for the native engine's reducing steps as their compiled fetch starts
+    (fetch_reduce.py: it hands the piece back, and Python's read of it says why)."""
+    from ringcomm import fetch_reduce, plain_read, read_engine
     comm._executor.engine = engine
 
     def kill(pid):
@@ -176,7 +224,14 @@ def _die_during(comm, method, root, collective, engine):
         while not _gone(pid):   # it is our sibling: a zombie of the test process, not reaped
             time.sleep(0.01)
 
-    if engine == "python" or collective != "broadcast":
+    if method == "fetch_reduce":   # the native engine's reducing step: its compiled fetch fails
+        run = fetch_reduce.run
+
+        def killed_first(out, own, own_j, pids, *rest):
+            kill(int(pids[1 - own_j]))
+            return run(out, own, own_j, pids, *rest)
+        fetch_reduce.run = killed_first
+    elif engine == "python" or collective != "broadcast":
         original = getattr(plain_read.Remote, method)
 
         def killed_first(self, arr):
@@ -217,8 +272,11 @@ def _call(comm, root, collective):
 @pytest.mark.parametrize("method, root, collective, doing", [
     ("copy_to", 1, "broadcast", "reading \\(CMA\\) its buffer in broadcast #\\d+ from"),
     ("copy_from", 0, "broadcast", "writing \\(CMA\\) into its buffer in broadcast #\\d+ of"),
-    ("copy_to", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from")])
+    ("copy_to", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from"),
+    ("fetch_reduce", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from")])
 def test_a_peer_killed_during_a_cma_copy_is_reported_at_once(method, root, collective, doing, engine):
+    if method == "fetch_reduce" and engine == "python":
+        pytest.skip("the reference engine reduces in Python only: fetch_reduce is the native engine's")
     with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=60) as w:
         w.start(_die_during, method, root, collective, engine, ranks=[0])
         w.start(_call, root, collective, ranks=[1])

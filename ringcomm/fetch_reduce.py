@@ -1,0 +1,126 @@
+"""A reducing read step on plain buffers, compiled: fetch each piece of the peers' operands by CMA
+and reduce it, in one numba loop per element type (read_engine._reduce's work, without its
+Python per piece).
+
+read_engine._reduce takes a step's operands a piece at a time (FETCH_PIECE_BYTES): each remote
+piece is copied by process_vm_readv into a piece-sized buffer (or into the output piece itself),
+then the operands are folded in rank order while they sit in L2. In Python every piece cost a few
+microseconds of its own (a Remote, an address, a ctypes call, a ufunc call): about a tenth of a
+2-rank 16 MiB reduce_scatter's time. Here the whole step is one call:
+
+    for each piece [a, b):
+        fetch every remote operand's piece   (into the output piece for the first, ``into``,
+                                              else into its scratch row)
+        acc = op0 op op1, then acc = acc op opj for j >= 2   (kernels/native.py: host's bits)
+        out[a:b] = acc                       (only where acc is a scratch row: ``via_scratch``)
+
+Waits, errors and AVG's division stay where they were: Python waits for the peers to enter the
+call before (read_engine._view), and a failed read hands the step back at its piece (the return
+value), where Python's loop reads it again and explains the error (a dead peer, a refusal).
+Operands and buffers arrive by address, so a read-only input and a writable output are one array
+type in the compiled code; ``like`` (an empty array of the storage dtype) picks the loop's type.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from ringcomm.kernels import native as native_kernels
+
+from . import native_sync
+
+_lock = threading.Lock()
+_jitted = None         # the compiled step (loop()), made once
+
+
+def loop(dtype):
+    """The compiled step for element type ``dtype`` (a numba dispatcher, cached on disk), or None
+    where the native kernels do not take that type (Python's loop does the step then)."""
+    global _jitted
+    if not native_kernels.supported(dtype):
+        return None
+    if _jitted is None:
+        with _lock:
+            if _jitted is None:
+                import numba
+                native_sync.intrinsics()
+                native_sync.drop_stale_cache(__file__, "_step", deps=(native_kernels.__file__,))
+                reduce_into, _ = native_kernels.compiled()
+                globals()["_reduce_into"] = reduce_into
+                globals()["_carray"] = numba.carray
+                globals()["_fetch"] = numba.njit(nogil=True)(_fetch)
+                _jitted = numba.njit(nogil=True, cache=True)(_step)   # a version per storage dtype
+    return _jitted
+
+
+def run(out: np.ndarray, own, own_j: int, pids: np.ndarray, addrs: np.ndarray, scratch: np.ndarray,
+        piece: int, op: str, into: int, via_scratch: bool, iov: np.ndarray) -> int:
+    """Reduce one step's operands into ``out`` (see the module's loop). Operand j is this rank's
+    ``own`` input span where j == own_j, else peer pids[j]'s bytes at addrs[j] (its element 0 of
+    the span); ``scratch``: (operands + 1) rows of ``piece`` elements at least, of out's dtype;
+    ``into``: the operand fetched straight into out's piece (-1: none). Returns -1 when done,
+    else the element offset of the piece whose read failed (nothing from it on is reduced)."""
+    kind = native_kernels.storage(out.dtype)
+    like = np.empty(0, kind)
+    own_addr = 0 if own is None else own.ctypes.data
+    return loop(out.dtype)(like, out.ctypes.data, out.size, own_addr, own_j, pids, addrs, scratch.ctypes.data,
+                           scratch.shape[1], piece, native_kernels.OPCODES[op], native_kernels.kind16(out.dtype),
+                           into, via_scratch, native_sync.libc_address("process_vm_readv"), iov)
+
+
+_reduce_into = _carray = None   # set by loop()
+
+
+def _fetch(readv, pid, local, remote, nbytes, iov):
+    """process_vm_readv of ``nbytes`` into ``local``, going on after a partial read; False if a
+    call moves nothing."""
+    done = 0
+    at = iov.ctypes.data
+    while done < nbytes:
+        iov[0], iov[1], iov[2], iov[3] = local + done, nbytes - done, remote + done, nbytes - done
+        got = native_sync.call_c(readv, pid, at, 1, at + 16, 1, 0)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
+def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row, piece, op, kind16, into,
+          via_scratch, readv, iov):
+    m = pids.size
+    item = like.itemsize
+    out = _carray(native_sync.typed_ptr(out_addr, like), size)
+    own = _carray(native_sync.typed_ptr(own_addr if own_addr else out_addr, like), size)
+    scratch = _carray(native_sync.typed_ptr(scratch_addr, like), ((m + 1) * row,))
+    for a in range(0, size, piece):
+        b = min(a + piece, size)
+        k = b - a
+        for j in range(m):
+            if j == own_j:
+                continue
+            dst = out_addr + a * item if j == into else scratch_addr + (j * row) * item
+            if not _fetch(readv, pids[j], dst, addrs[j] + a * item, k * item, iov):
+                return a
+        acc = scratch[m * row:m * row + k] if via_scratch else out[a:b]
+        for j in range(1, m):
+            if j == own_j:
+                x = own[a:b]
+            elif j == into:
+                x = out[a:b]
+            else:
+                x = scratch[j * row:j * row + k]
+            if j == 1:
+                if own_j == 0:
+                    first = own[a:b]
+                elif into == 0:
+                    first = out[a:b]
+                else:
+                    first = scratch[0:k]
+                _reduce_into(acc, first, x, op, kind16)
+            else:
+                _reduce_into(acc, acc, x, op, kind16)
+        if via_scratch:
+            for i in range(k):
+                out[a + i] = acc[i]
+    return -1
