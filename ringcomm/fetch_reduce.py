@@ -12,7 +12,14 @@ microseconds of its own (a Remote, an address, a ctypes call, a ufunc call): abo
         fetch every remote operand's piece   (into the output piece for the first, ``into``,
                                               else into its scratch row)
         acc = op0 op op1, then acc = acc op opj for j >= 2   (kernels/native.py: host's bits)
-        out[a:b] = acc                       (only where acc is a scratch row: ``via_scratch``)
+        out[a:b] = acc                       (only where acc is a scratch row: ``build``)
+
+How the output is built (``build``): INTO_OUT reduces in the output itself; SCRATCH builds each
+piece in a scratch row first (in place, where this rank's input is a later operand than the
+first two, the first operation would overwrite it before it is read), then copies it there;
+STREAM builds it in scratch too and writes it out with non-temporal stores. An output line that
+is not in the cache is read from memory before an ordinary store writes it, so a big output out
+of place (read_engine.STREAM_OUT_MIN_BYTES) goes STREAM: its lines are written, never read.
 
 Waits, errors and AVG's division stay where they were: Python waits for the peers to enter the
 call before (read_engine._view), and a failed read hands the step back at its piece (the return
@@ -30,6 +37,7 @@ from ringcomm.kernels import native as native_kernels
 
 from . import native_sync
 
+INTO_OUT, SCRATCH, STREAM = range(3)   # how the output is built (``build``)
 _lock = threading.Lock()
 _jitted = None         # the compiled step (loop()), made once
 
@@ -55,18 +63,19 @@ def loop(dtype):
 
 
 def run(out: np.ndarray, own, own_j: int, pids: np.ndarray, addrs: np.ndarray, scratch: np.ndarray,
-        piece: int, op: str, into: int, via_scratch: bool, iov: np.ndarray) -> int:
+        piece: int, op: str, into: int, build: int, iov: np.ndarray) -> int:
     """Reduce one step's operands into ``out`` (see the module's loop). Operand j is this rank's
     ``own`` input span where j == own_j, else peer pids[j]'s bytes at addrs[j] (its element 0 of
     the span); ``scratch``: (operands + 1) rows of ``piece`` elements at least, of out's dtype;
-    ``into``: the operand fetched straight into out's piece (-1: none). Returns -1 when done,
+    ``into``: the operand fetched straight into out's piece (-1: none; INTO_OUT only); ``build``:
+    INTO_OUT, SCRATCH or STREAM (STREAM only where streaming is on: stream_copy). Returns -1 when done,
     else the element offset of the piece whose read failed (nothing from it on is reduced)."""
     kind = native_kernels.storage(out.dtype)
     like = np.empty(0, kind)
     own_addr = 0 if own is None else own.ctypes.data
     return loop(out.dtype)(like, out.ctypes.data, out.size, own_addr, own_j, pids, addrs, scratch.ctypes.data,
                            scratch.shape[1], piece, native_kernels.OPCODES[op], native_kernels.kind16(out.dtype),
-                           into, via_scratch, native_sync.libc_address("process_vm_readv"), iov)
+                           into, build, native_sync.libc_address("process_vm_readv"), iov)
 
 
 _reduce_into = _carray = None   # set by loop()
@@ -87,7 +96,7 @@ def _fetch(readv, pid, local, remote, nbytes, iov):
 
 
 def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row, piece, op, kind16, into,
-          via_scratch, readv, iov):
+          build, readv, iov):
     m = pids.size
     item = like.itemsize
     out = _carray(native_sync.typed_ptr(out_addr, like), size)
@@ -101,8 +110,10 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
                 continue
             dst = out_addr + a * item if j == into else scratch_addr + (j * row) * item
             if not _fetch(readv, pids[j], dst, addrs[j] + a * item, k * item, iov):
+                if build == STREAM:
+                    native_sync.stream_fence()   # the pieces streamed so far, before Python's stores
                 return a
-        acc = scratch[m * row:m * row + k] if via_scratch else out[a:b]
+        acc = out[a:b] if build == INTO_OUT else scratch[m * row:m * row + k]
         for j in range(1, m):
             if j == own_j:
                 x = own[a:b]
@@ -120,7 +131,19 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
                 _reduce_into(acc, first, x, op, kind16)
             else:
                 _reduce_into(acc, acc, x, op, kind16)
-        if via_scratch:
+        if build == STREAM:   # whole lines streamed; the elements before the first and after the last stored
+            dst, src = out_addr + a * item, scratch_addr + (m * row) * item
+            head = min(k * item, (-dst) & 63) // item   # dst is aligned to the element size
+            lines = (k - head) * item // 64
+            for i in range(lines):
+                native_sync.stream_line(dst + head * item + 64 * i, src + head * item + 64 * i)
+            for i in range(head):
+                out[a + i] = acc[i]
+            for i in range(head + lines * 64 // item, k):
+                out[a + i] = acc[i]
+        elif build == SCRATCH:
             for i in range(k):
                 out[a + i] = acc[i]
+    if build == STREAM:
+        native_sync.stream_fence()   # as stream_copy's: the lines are in place before a later store (a sync)
     return -1

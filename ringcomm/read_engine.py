@@ -43,6 +43,16 @@ ONE_PASS_PIECE_BYTES = 1024 * 1024
 # best or within noise of it; 64 KiB ones 1.2-1.4x slower (a system call and its pinning per
 # piece), 1 MiB ones no faster.
 FETCH_PIECE_BYTES = 256 * 1024
+# From this much output, a reducing step out of place on the native engine builds each piece in L2
+# and streams it out (fetch_reduce.STREAM): the output's lines are written without being read
+# first. Intel VM, 2 ranks, 30-call rows alternating with MPICH, three runs, two rounds each way,
+# streamed against fetched into the output and reduced there (us; the step's output is half the
+# reduce_scatter's input and all_reduce's chunk): reduce_scatter 4 MiB 512, 492 against 559, 567,
+# 16 MiB 1558, 1465 against 1655, 1721, 64 MiB 9159, 8657 against 13110, 12909; all_reduce 4 MiB
+# 897, 906 against 812, 874 (its second phase reads the chunk back from memory: slower), 16 MiB
+# 2730, 2718 against 2723, 2882, 64 MiB 15258, 15331 against 18076, 18935. So from
+# stream_copy's threshold, where both gain or tie.
+STREAM_OUT_MIN_BYTES = stream_copy.STREAM_MIN_BYTES
 
 
 def step_spans(sched, m: int) -> list:
@@ -320,6 +330,9 @@ class ReadEngine:
         own_j = next((j for j, s in enumerate(srcs) if not isinstance(s, Remote)), -1)
         own = None if own_j < 0 else srcs[own_j]
         into = remote[0] if not via_scratch and (own is None or not np.may_share_memory(out, own)) else -1
+        build = fetch_reduce.SCRATCH if via_scratch else fetch_reduce.INTO_OUT
+        if into >= 0 and out.nbytes >= STREAM_OUT_MIN_BYTES and stream_copy.enabled():
+            into, build = -1, fetch_reduce.STREAM
         piece = max(1, FETCH_PIECE_BYTES // out.itemsize)
         pids = np.array([0 if j == own_j else s.pid for j, s in enumerate(srcs)], np.int64)
         addrs = np.array([0 if j == own_j else s.addr for j, s in enumerate(srcs)], np.int64)
@@ -328,7 +341,7 @@ class ReadEngine:
             self.iov = np.empty(4, np.int64)
         ex._waiting = (srcs[remote[0]].peer, "read", 0, time.monotonic())
         failed = fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
-                                  call.op, into, via_scratch, self.iov)
+                                  call.op, into, build, self.iov)
         ex._waiting = None
         return failed
 

@@ -116,6 +116,9 @@ def test_reducing_read_steps_give_the_same_bits_compiled_as_in_python():
         count = 3 * ((1 << 18) // np.dtype("float32" if dtype == "bfloat16" else dtype).itemsize) + 7 * 6
         cases.append(dict(collective=coll, dtype=dtype, op=op, count=count, algo=None, root=0,
                           inplace=bool(j % 2), seed=70 + j))
+    # out of place, 8 MiB and 12 bytes of output a rank: built in L2 and streamed out (fetch_reduce.STREAM)
+    cases.append(dict(collective="reduce_scatter", dtype="float32", op="sum", count=(2 << 20) + 3, algo=None,
+                      root=0, inplace=False, seed=90))
     for n in (2, 3):
         with World(n, {"RINGCOMM_CMA_MIN": "1"}, timeout=120) as w:
             errors = w.run(_engines_agree, cases, timeout=200)
