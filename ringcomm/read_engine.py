@@ -340,10 +340,11 @@ class ReadEngine:
         if self.iov is None:
             self.iov = np.empty(4, np.int64)
         ex._waiting = (srcs[remote[0]].peer, "read", 0, time.monotonic())
-        failed = fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
-                                  call.op, into, build, self.iov)
-        ex._waiting = None
-        return failed
+        try:
+            return fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
+                                    call.op, into, build, self.iov)
+        finally:
+            ex._waiting = None
 
     def _reduce_pieces(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
         """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
