@@ -57,7 +57,9 @@ def loop(dtype):
                 reduce_into, _ = native_kernels.compiled()
                 globals()["_reduce_into"] = reduce_into
                 globals()["_carray"] = numba.carray
-                globals()["_fetch"] = numba.njit(nogil=True)(_fetch)
+                jit = numba.njit(nogil=True)
+                for name in ("_fetch", "_stream_bytes", "_operand"):
+                    globals()[name] = jit(globals()[name])
                 _jitted = numba.njit(nogil=True, cache=True)(_step)   # a version per storage dtype
     return _jitted
 
@@ -75,28 +77,29 @@ def run(out: np.ndarray, own, own_j: int, pids: np.ndarray, addrs: np.ndarray, s
     own_addr = 0 if own is None else own.ctypes.data
     return loop(out.dtype)(like, out.ctypes.data, out.size, own_addr, own_j, pids, addrs, scratch.ctypes.data,
                            scratch.shape[1], piece, native_kernels.OPCODES[op], native_kernels.kind16(out.dtype),
-                           into, build, native_sync.libc_address("process_vm_readv"), iov)
+                           into, build, native_sync.libc_address("process_vm_readv"),
+                           native_sync.libc_address("memmove"), iov)
 
 
 _reduce_into = _carray = None   # set by loop()
 
 
-def _fetch(readv, pid, local, remote, nbytes, iov):
-    """process_vm_readv of ``nbytes`` into ``local``, going on after a partial read; False if a
-    call moves nothing."""
-    done = 0
-    at = iov.ctypes.data
-    while done < nbytes:
-        iov[0], iov[1], iov[2], iov[3] = local + done, nbytes - done, remote + done, nbytes - done
-        got = native_sync.call_c(readv, pid, at, 1, at + 16, 1, 0)
-        if got <= 0:
-            return False
-        done += got
-    return True
+_fetch = native_sync.transfer               # compiled by loop(), with the next two
+_stream_bytes = native_sync.stream_bytes
+
+
+def _operand(j, a, b, own_j, into, own, out, scratch, row):
+    """Operand j's piece [a, b): this rank's input, the output piece it was fetched into, or its
+    scratch row."""
+    if j == own_j:
+        return own[a:b]
+    if j == into:
+        return out[a:b]
+    return scratch[j * row:j * row + b - a]
 
 
 def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row, piece, op, kind16, into,
-          build, readv, iov):
+          build, readv, memmove, iov):
     m = pids.size
     item = like.itemsize
     out = _carray(native_sync.typed_ptr(out_addr, like), size)
@@ -114,36 +117,16 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
                     native_sync.stream_fence()   # the pieces streamed so far, before Python's stores
                 return a
         acc = out[a:b] if build == INTO_OUT else scratch[m * row:m * row + k]
-        for j in range(1, m):
-            if j == own_j:
-                x = own[a:b]
-            elif j == into:
-                x = out[a:b]
-            else:
-                x = scratch[j * row:j * row + k]
-            if j == 1:
-                if own_j == 0:
-                    first = own[a:b]
-                elif into == 0:
-                    first = out[a:b]
-                else:
-                    first = scratch[0:k]
-                _reduce_into(acc, first, x, op, kind16)
-            else:
-                _reduce_into(acc, acc, x, op, kind16)
-        if build == STREAM:   # whole lines streamed; the elements before the first and after the last stored
+        _reduce_into(acc, _operand(0, a, b, own_j, into, own, out, scratch, row),
+                     _operand(1, a, b, own_j, into, own, out, scratch, row), op, kind16)
+        for j in range(2, m):
+            _reduce_into(acc, acc, _operand(j, a, b, own_j, into, own, out, scratch, row), op, kind16)
+        if build != INTO_OUT:   # the piece built in scratch row m goes out
             dst, src = out_addr + a * item, scratch_addr + (m * row) * item
-            head = min(k * item, (-dst) & 63) // item   # dst is aligned to the element size
-            lines = (k - head) * item // 64
-            for i in range(lines):
-                native_sync.stream_line(dst + head * item + 64 * i, src + head * item + 64 * i)
-            for i in range(head):
-                out[a + i] = acc[i]
-            for i in range(head + lines * 64 // item, k):
-                out[a + i] = acc[i]
-        elif build == SCRATCH:
-            for i in range(k):
-                out[a + i] = acc[i]
+            if build == STREAM:
+                _stream_bytes(dst, src, k * item, memmove)
+            else:
+                native_sync.call_c(memmove, dst, src, k * item, 0, 0, 0)
     if build == STREAM:
         native_sync.stream_fence()   # as stream_copy's: the lines are in place before a later store (a sync)
     return -1

@@ -195,6 +195,38 @@ def yield_until(addr, least, fn, yields, since, budget):
     return False
 
 
+def transfer(fn, pid, local, remote, nbytes, iov):
+    """process_vm_readv or _writev (``fn``, by address) of ``nbytes`` between this process's
+    ``local`` and process ``pid``'s ``remote``, going on after a partial transfer; False if a call
+    moves nothing (the caller's Python does the step again and says why). ``iov``: four int64s of
+    scratch, the two iovecs. Plain Python, compiled by its callers (read_native.kernel,
+    fetch_reduce.loop)."""
+    done = 0
+    at = iov.ctypes.data
+    while done < nbytes:
+        iov[0], iov[1], iov[2], iov[3] = local + done, nbytes - done, remote + done, nbytes - done
+        got = call_c(fn, pid, at, 1, at + 16, 1, 0)
+        if got <= 0:
+            return False
+        done += got
+    return True
+
+
+def stream_bytes(dst, src, nbytes, memmove):
+    """Copy ``nbytes`` from ``src`` to ``dst`` (addresses, not overlapping): the whole 64-byte lines
+    of dst with non-temporal stores (stream_line), the bytes before the first and after the last
+    by ``memmove`` (libc's, by address). The caller fences (stream_fence) before any store that
+    tells a peer the bytes are there. Plain Python, compiled by its callers (read_native.kernel,
+    fetch_reduce.loop); stream_copy._copy_streaming is the same over arrays."""
+    head = min(nbytes, (-dst) & 63)
+    call_c(memmove, dst, src, head, 0, 0, 0)
+    lines = (nbytes - head) // 64
+    for i in range(lines):
+        stream_line(dst + head + 64 * i, src + head + 64 * i)
+    done = head + 64 * lines
+    call_c(memmove, dst + done, src + done, nbytes - done, 0, 0, 0)
+
+
 def cycles_per_second() -> float:
     """The cycle counter's rate, measured once per process over ~2 ms (a VM's TSC runs at a
     fixed rate; what matters is turning "return to Python every ~1 ms" into counter ticks)."""

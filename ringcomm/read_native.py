@@ -228,8 +228,8 @@ def kernel():
                 jit = numba.njit(nogil=True)
                 g = globals()
                 g["_carray"] = numba.carray
-                for name in ("_yield_until", "_wait_at_least", "_transfer", "_copy", "_wake", "_sleep_flag",
-                             "_run_call"):
+                for name in ("_yield_until", "_wait_at_least", "_transfer", "_stream_bytes", "_copy", "_wake",
+                             "_sleep_flag", "_run_call"):
                     g[name] = jit(g[name])
                 compiled = numba.njit(types.int64(types.int64[::1]), nogil=True, cache=True)(_enter)
                 compiled.disable_compile()
@@ -253,34 +253,17 @@ def _wait_at_least(addr, want, consts):
 _yield_until = native_sync.yield_until   # compiled with the other helpers (kernel())
 
 
-def _transfer(fn, pid, local, remote, nbytes, iov):
-    """process_vm_readv or _writev of ``nbytes`` (fn), going on after a partial transfer; False if
-    a call moves nothing (Python does the step again and says why)."""
-    done = 0
-    at = iov.ctypes.data
-    while done < nbytes:
-        iov[0], iov[1], iov[2], iov[3] = local + done, nbytes - done, remote + done, nbytes - done
-        got = native_sync.call_c(fn, pid, at, 1, at + 16, 1, 0)
-        if got <= 0:
-            return False
-        done += got
-    return True
+_transfer = native_sync.transfer           # compiled with the other helpers (kernel())
+_stream_bytes = native_sync.stream_bytes   # likewise
 
 
 def _copy(dst, src, nbytes, consts):
-    """A local copy: memmove, or from STREAM_MIN bytes (where they do not overlap) ordinary stores
-    up to dst's first 64-byte line, whole lines with non-temporal stores, the rest by memmove, and
-    a fence (stream_copy._copy_streaming's way, by address)."""
+    """A local copy: memmove, or from STREAM_MIN bytes (where they do not overlap) streamed past
+    the caches (native_sync.stream_bytes), then a fence."""
     if nbytes < consts[STREAM_MIN] or consts[STREAM_MIN] == 0 or (dst < src + nbytes and src < dst + nbytes):
         native_sync.call_c(consts[MEMMOVE], dst, src, nbytes, 0, 0, 0)
         return
-    head = min(nbytes, (-dst) & 63)
-    native_sync.call_c(consts[MEMMOVE], dst, src, head, 0, 0, 0)
-    lines = (nbytes - head) // 64
-    for i in range(lines):
-        native_sync.stream_line(dst + head + 64 * i, src + head + 64 * i)
-    done = head + 64 * lines
-    native_sync.call_c(consts[MEMMOVE], dst + done, src + done, nbytes - done, 0, 0, 0)
+    _stream_bytes(dst, src, nbytes, consts[MEMMOVE])
     native_sync.stream_fence()
 
 
