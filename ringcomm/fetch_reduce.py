@@ -19,7 +19,8 @@ piece in a scratch row first (in place, where this rank's input is a later opera
 first two, the first operation would overwrite it before it is read), then copies it there;
 STREAM builds it in scratch too and writes it out with non-temporal stores. An output line that
 is not in the cache is read from memory before an ordinary store writes it, so a big output out
-of place (read_engine.STREAM_OUT_MIN_BYTES) goes STREAM: its lines are written, never read.
+of place (read_engine.STREAM_OUT_MIN_BYTES; STREAM_FINAL_OUT_MIN_BYTES where no step reads an output
+back) goes STREAM: its lines are written, never read.
 
 Waits, errors and AVG's division stay where they were: Python waits for the peers to enter the
 call before (read_engine._view), and a failed read hands the step back at its piece (the return

@@ -53,6 +53,13 @@ FETCH_PIECE_BYTES = 256 * 1024
 # 2730, 2718 against 2723, 2882, 64 MiB 15258, 15331 against 18076, 18935. So from
 # stream_copy's threshold, where both gain or tie.
 STREAM_OUT_MIN_BYTES = stream_copy.STREAM_MIN_BYTES
+# ...and from this much where no step of the schedule reads an output back (reduce_scatter, reduce:
+# the call's last touch of it is this write). Same VM, rows as above, streamed from here against
+# from 8 MiB, reduce_scatter 2 ranks (the step's output is half the row): 2 MiB 233, 251 against
+# 256, 261 us; 4 MiB 413, 423 against 449, 468; 8 MiB 751, 764 against 797, 807; 1 MiB and 512
+# KiB level. Alone in one process (fr_micro in docs/06), streaming beats fetching into the output
+# from 1 MiB (146 against 171 us) and ties at 512 KiB.
+STREAM_FINAL_OUT_MIN_BYTES = 1024 * 1024
 
 
 def step_spans(sched, m: int) -> list:
@@ -69,13 +76,17 @@ def step_spans(sched, m: int) -> list:
 class _Plan:
     """A schedule for one call shape (element count, element size), worked out once: whether any
     step reduces, each step's spans, and read_native's rows (made at the first call that can run
-    compiled; None where a step reduces; False until then). A call then costs no chunk arithmetic."""
+    compiled; None where a step reduces; False until then). A call then costs no chunk arithmetic.
+    ``stream_out_min``: the output bytes from which a reducing step out of place streams its output
+    (fetch_reduce.STREAM): sooner where no step reads an output back."""
 
-    __slots__ = ("sched", "reduces", "spans", "native", "in_place")
+    __slots__ = ("sched", "reduces", "spans", "native", "in_place", "stream_out_min")
 
     def __init__(self, sched, m: int, in_place: bool):
         self.sched, self.reduces = sched, any(step.reduces for step in sched.steps)
         self.spans, self.native, self.in_place = step_spans(sched, m), False, in_place
+        reread = any(step.reads == "out" for step in sched.steps)
+        self.stream_out_min = STREAM_OUT_MIN_BYTES if reread else STREAM_FINAL_OUT_MIN_BYTES
 
 
 class ReadLane:
@@ -159,12 +170,11 @@ class ReadEngine:
     def go_on(self, ex, sched, call, plan: _Plan, ain: int, aout: int, start: int, arrived: bool) -> None:
         """The steps from ``start`` in Python (a call the compiled path did not take, or handed back)."""
         views: dict = {}
-        spans = plan.spans
         if not plan.reduces:   # copy-only: no kernel, no errstate
-            self._steps(ex, sched, call, None, views, ain, aout, spans, start, arrived)
+            self._steps(ex, sched, call, None, views, ain, aout, plan, start, arrived)
             return
         with np.errstate(all="ignore"):
-            self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout, spans,
+            self._steps(ex, sched, call, kernels.elementwise(call.op, call.inp.dtype), views, ain, aout, plan,
                         start, arrived)
 
     def lane(self, ex, sched, call) -> ReadLane | None:
@@ -232,11 +242,11 @@ class ReadEngine:
             got = self.plans[key] = _Plan(sched, call.m, in_place)
         return got
 
-    def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, spans, start: int = 0,
+    def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, plan: _Plan, start: int = 0,
                arrived: bool = False) -> None:
         """The steps from ``start`` (where the compiled path handed over; ``arrived``: that step is a
         sync whose arrivals it published)."""
-        steps, i = sched.steps, start
+        steps, spans, i = sched.steps, plan.spans, start
         while i < len(steps):
             step = steps[i]
             ex._step = i
@@ -247,7 +257,7 @@ class ReadEngine:
                                       spans[i][0], spans[i][1], [spans[w][2] for w in range(i, j)], spans[j][2])
                 i = j
             else:
-                self._step(ex, call, step, fn, views, ain, aout, *spans[i])
+                self._step(ex, call, step, fn, views, ain, aout, *spans[i], plan.stream_out_min)
             i += 1
 
     def _write_then_copy(self, ex, call, peers, views, ain: int, aout: int, io: int, k: int, there, oo: int):
@@ -278,7 +288,8 @@ class ReadEngine:
         """(allocation index, offset) of a registered buffer; (-1, address) of a plain one at ``addr``."""
         return (self.reg.locate(arr) if self.reg.mine else None) or (-1, addr)
 
-    def _step(self, ex, call, step, fn, views, ain: int, aout: int, io: int, k: int, oo: int) -> None:
+    def _step(self, ex, call, step, fn, views, ain: int, aout: int, io: int, k: int, oo: int,
+              stream_out_min: int) -> None:
         me = self.reg.rank
         out = call.out[oo:oo + k]
         if step.kind == "copy":
@@ -307,31 +318,32 @@ class ReadEngine:
                 stream_copy.copy(out, srcs[0])
             return
         mine = [i for i, q in enumerate(step.remote) if q == me]
-        self._reduce(ex, call, out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]))
+        self._reduce(ex, call, out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]),
+                     stream_out_min)
         if step.final:
             kernels.postprocess(out, call.op, self.reg.n)
 
-    def _reduce(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
+    def _reduce(self, ex, call, out, srcs, fn, via_scratch: bool, stream_out_min: int) -> None:
         """out = srcs[0] op srcs[1] op ..., in that order (_reduce_pieces); where peers' plain
         buffers are among them and the engine is the native one, in fetch_reduce's compiled loop,
-        whose pieces are these, and Python's loop only from a piece whose read failed (it reads
-        it again, and says why)."""
+        whose pieces are these (an output of ``stream_out_min`` bytes out of place streamed), and
+        Python's loop only from a piece whose read failed (it reads it again, and says why)."""
         remote = [j for j, s in enumerate(srcs) if isinstance(s, Remote)]
         if (remote and ex.native is not None and len(srcs) >= 2 and len(srcs) - len(remote) <= 1
                 and fetch_reduce.loop(out.dtype) is not None):
-            failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch)
+            failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch, stream_out_min)
             if failed < 0:
                 return
             out, srcs = out[failed:], [s[failed:] for s in srcs]
         self._reduce_pieces(ex, call, out, srcs, fn, via_scratch)
 
-    def _reduce_compiled(self, ex, call, out, srcs, remote: list, via_scratch: bool) -> int:
+    def _reduce_compiled(self, ex, call, out, srcs, remote: list, via_scratch: bool, stream_out_min: int) -> int:
         """fetch_reduce.run over this step: -1 when done, else where its read failed."""
         own_j = next((j for j, s in enumerate(srcs) if not isinstance(s, Remote)), -1)
         own = None if own_j < 0 else srcs[own_j]
         into = remote[0] if not via_scratch and (own is None or not np.may_share_memory(out, own)) else -1
         build = fetch_reduce.SCRATCH if via_scratch else fetch_reduce.INTO_OUT
-        if into >= 0 and out.nbytes >= STREAM_OUT_MIN_BYTES and stream_copy.enabled():
+        if into >= 0 and out.nbytes >= stream_out_min and stream_copy.enabled():
             into, build = -1, fetch_reduce.STREAM
         piece = max(1, FETCH_PIECE_BYTES // out.itemsize)
         pids = np.array([0 if j == own_j else s.pid for j, s in enumerate(srcs)], np.int64)

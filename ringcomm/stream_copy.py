@@ -12,9 +12,10 @@ own, but on this VM (AMD EPYC, 32 MiB L3, 2 vCPUs) its large copies run at 11-13
 Where it is used: the one-copy engine's large copies (read_engine.py, and read_native.py's
 compiled calls by address): an out-of-place all_gather's own block, and the copies out of, or
 into, a peer's registered buffer; and by its own loop, a reducing step's big output out of place
-(fetch_reduce.STREAM, from read_engine.STREAM_OUT_MIN_BYTES), where enabled() says so. Below
-STREAM_MIN_BYTES memcpy wins: the buffers then stay in L2/L3, where an ordinary copy runs at
-~45 GB/s and the next reader finds the data in cache. The FIFO slots keep ordinary stores (or
+(fetch_reduce.STREAM, from read_engine.STREAM_OUT_MIN_BYTES, or STREAM_FINAL_OUT_MIN_BYTES where no
+step reads an output back), where enabled() says so. Below STREAM_MIN_BYTES memcpy wins: the
+buffers then stay in L2/L3, where an ordinary copy runs at ~45 GB/s and the next reader finds the
+data in cache. The FIFO slots keep ordinary stores (or
 their own streaming), and so do reductions' outputs built by numpy (registered buffers): streamed
 by a second pass, they measured slower (docs/06).
 

@@ -78,12 +78,14 @@ def test_collectives_read_plain_buffers_by_cma_as_right_as_by_the_fifos():
 
 def _engines_agree(comm, cases):
     """Each reducing case by CMA on the native engine (its reducing steps in fetch_reduce's compiled
-    loop, counted) and on the reference engine (Python's loop): right both times, the same bits."""
-    from ringcomm import fetch_reduce
-    run, ran, errors = fetch_reduce.run, [0], []
+    loop, counted, and built the way a case's "build" names where it names one) and on the
+    reference engine (Python's loop): right both times, the same bits."""
+    from ringcomm import fetch_reduce, stream_copy
+    run, ran, builds, errors = fetch_reduce.run, [0], [], []
 
     def counted(*args):
         ran[0] += 1
+        builds.append(args[9])
         return run(*args)
     fetch_reduce.run = counted
     for case in cases:
@@ -97,6 +99,11 @@ def _engines_agree(comm, cases):
                 errors.append(f"{engine}: {err}")
             if (ran[0] > before) != (engine == "native"):
                 errors.append(f"{engine}: {case}: {ran[0] - before} compiled steps")
+            want_build = getattr(fetch_reduce, case.get("build", ""), None)
+            if want_build == fetch_reduce.STREAM and not stream_copy.enabled():   # not x86-64, or turned off
+                want_build = fetch_reduce.INTO_OUT
+            if engine == "native" and want_build is not None and set(builds[before:]) != {want_build}:
+                errors.append(f"{case}: built {builds[before:]}, not {case['build']}")
             got[engine] = result.tobytes()
         if got["native"] != got["python"]:
             errors.append(f"{case}: the engines' bits differ")
@@ -118,7 +125,14 @@ def test_reducing_read_steps_give_the_same_bits_compiled_as_in_python():
                           inplace=bool(j % 2), seed=70 + j))
     # out of place, 8 MiB and 12 bytes of output a rank: built in L2 and streamed out (fetch_reduce.STREAM)
     cases.append(dict(collective="reduce_scatter", dtype="float32", op="sum", count=(2 << 20) + 3, algo=None,
-                      root=0, inplace=False, seed=90))
+                      root=0, inplace=False, seed=90, build="STREAM"))
+    # 1 MiB and 12 bytes: streamed where no step reads the output back (reduce_scatter), fetched into
+    # the output where one does (all_reduce's second phase; its chunk is 1 MiB + 12 bytes on 2 ranks)
+    n_elems = (1 << 18) + 3
+    cases.append(dict(collective="reduce_scatter", dtype="float32", op="sum", count=n_elems, algo=None,
+                      root=0, inplace=False, seed=91, build="STREAM"))
+    cases.append(dict(collective="all_reduce", dtype="float32", op="sum", count=2 * n_elems, algo=None,
+                      root=0, inplace=False, seed=92, build="INTO_OUT"))
     for n in (2, 3):
         with World(n, {"RINGCOMM_CMA_MIN": "1"}, timeout=120) as w:
             errors = w.run(_engines_agree, cases, timeout=200)
