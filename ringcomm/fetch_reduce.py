@@ -12,6 +12,7 @@ microseconds of its own (a Remote, an address, a ctypes call, a ufunc call): abo
         fetch every remote operand's piece   (into the output piece for the first, ``into``,
                                               else into its scratch row)
         acc = op0 op op1, then acc = acc op opj for j >= 2   (kernels/native.py: host's bits)
+        write acc into each peer of ``push``    (process_vm_writev: all_reduce's write_out_copy)
         out[a:b] = acc                       (only where acc is a scratch row: ``build``)
 
 How the output is built (``build``): INTO_OUT reduces in the output itself; SCRATCH builds each
@@ -65,21 +66,29 @@ def loop(dtype):
     return _jitted
 
 
+NO_PUSH = np.zeros(0, np.int64)
+
+
 def run(out: np.ndarray, own, own_j: int, pids: np.ndarray, addrs: np.ndarray, scratch: np.ndarray,
-        piece: int, op: str, into: int, build: int, iov: np.ndarray) -> int:
+        piece: int, op: str, into: int, build: int, iov: np.ndarray, push_pids: np.ndarray = NO_PUSH,
+        push_addrs: np.ndarray = NO_PUSH) -> int:
     """Reduce one step's operands into ``out`` (see the module's loop). Operand j is this rank's
     ``own`` input span where j == own_j, else peer pids[j]'s bytes at addrs[j] (its element 0 of
     the span); ``scratch``: (operands + 1) rows of ``piece`` elements at least, of out's dtype;
     ``into``: the operand fetched straight into out's piece (-1: none; INTO_OUT only); ``build``:
-    INTO_OUT, SCRATCH or STREAM (STREAM only where streaming is on: stream_copy). Returns -1 when done,
-    else the element offset of the piece whose read failed (nothing from it on is reduced)."""
+    INTO_OUT, SCRATCH or STREAM (STREAM only where streaming is on: stream_copy); ``push_pids``,
+    ``push_addrs``: processes and addresses (of their element 0 of the span) into which each piece
+    is written by process_vm_writev as soon as it is built (all_reduce's write_out_copy). Returns
+    -1 when done, else the element offset of the piece whose read or write failed (nothing from it
+    on is reduced, or written)."""
     kind = native_kernels.storage(out.dtype)
     like = np.empty(0, kind)
     own_addr = 0 if own is None else own.ctypes.data
     return loop(out.dtype)(like, out.ctypes.data, out.size, own_addr, own_j, pids, addrs, scratch.ctypes.data,
                            scratch.shape[1], piece, native_kernels.OPCODES[op], native_kernels.kind16(out.dtype),
                            into, build, native_sync.libc_address("process_vm_readv"),
-                           native_sync.libc_address("memmove"), iov)
+                           native_sync.libc_address("memmove"), iov, push_pids, push_addrs,
+                           native_sync.libc_address("process_vm_writev"))
 
 
 _reduce_into = _carray = None   # set by loop()
@@ -100,7 +109,7 @@ def _operand(j, a, b, own_j, into, own, out, scratch, row):
 
 
 def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row, piece, op, kind16, into,
-          build, readv, memmove, iov):
+          build, readv, memmove, iov, push_pids, push_addrs, writev):
     m = pids.size
     item = like.itemsize
     out = _carray(native_sync.typed_ptr(out_addr, like), size)
@@ -122,8 +131,14 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
                      _operand(1, a, b, own_j, into, own, out, scratch, row), op, kind16)
         for j in range(2, m):
             _reduce_into(acc, acc, _operand(j, a, b, own_j, into, own, out, scratch, row), op, kind16)
+        built = out_addr + a * item if build == INTO_OUT else scratch_addr + (m * row) * item
+        for t in range(push_pids.size):   # to the peers while the piece is in cache
+            if not _fetch(writev, push_pids[t], built, push_addrs[t] + a * item, k * item, iov):
+                if build == STREAM:
+                    native_sync.stream_fence()
+                return a
         if build != INTO_OUT:   # the piece built in scratch row m goes out
-            dst, src = out_addr + a * item, scratch_addr + (m * row) * item
+            dst, src = out_addr + a * item, built
             if build == STREAM:
                 _stream_bytes(dst, src, k * item, memmove)
             else:

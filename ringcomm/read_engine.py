@@ -31,7 +31,7 @@ from .buffers import address
 from .ctl_layout import CALLS, DESC, PID, SYNC
 from .errors import RingcommError
 from .plain_read import Remote
-from .schedule.step import chunk_span
+from .schedule.step import WRITES, chunk_span
 
 PIECE_BYTES = 256 * 1024  # a reduction works on pieces this big, so repeated passes stay in L2
 # ...but one pass (two operands, straight into the output) reuses nothing: bigger pieces, fewer
@@ -78,14 +78,15 @@ class _Plan:
     step reduces, each step's spans, and read_native's rows (made at the first call that can run
     compiled; None where a step reduces; False until then). A call then costs no chunk arithmetic.
     ``stream_out_min``: the output bytes from which a reducing step out of place streams its output
-    (fetch_reduce.STREAM): sooner where no step reads an output back."""
+    (fetch_reduce.STREAM): sooner where no step reads an output back (a write_out_copy that goes
+    with its reducing step's pieces does not: _push)."""
 
     __slots__ = ("sched", "reduces", "spans", "native", "in_place", "stream_out_min")
 
     def __init__(self, sched, m: int, in_place: bool):
         self.sched, self.reduces = sched, any(step.reduces for step in sched.steps)
         self.spans, self.native, self.in_place = step_spans(sched, m), False, in_place
-        reread = any(step.reads == "out" for step in sched.steps)
+        reread = any(step.reads == "out" or step.kind == "write_out_copy" for step in sched.steps)
         self.stream_out_min = STREAM_OUT_MIN_BYTES if reread else STREAM_FINAL_OUT_MIN_BYTES
 
 
@@ -256,6 +257,9 @@ class ReadEngine:
                 self._write_then_copy(ex, call, [q for s in steps[i:j] for q in s.remote], views, ain, aout,
                                       spans[i][0], spans[i][1], [spans[w][2] for w in range(i, j)], spans[j][2])
                 i = j
+            elif step.reduces and (push := self._push(ex, call, steps, spans, i, views)):
+                if self._step(ex, call, step, fn, views, ain, aout, *spans[i], STREAM_FINAL_OUT_MIN_BYTES, push):
+                    i += 1   # the write_out_copy step went with the pieces
             else:
                 self._step(ex, call, step, fn, views, ain, aout, *spans[i], plan.stream_out_min)
             i += 1
@@ -288,24 +292,42 @@ class ReadEngine:
         """(allocation index, offset) of a registered buffer; (-1, address) of a plain one at ``addr``."""
         return (self.reg.locate(arr) if self.reg.mine else None) or (-1, addr)
 
+    def _push(self, ex, call, steps, spans, i: int, views) -> list | None:
+        """Where reducing step i is followed by a write_out_copy of its chunk to peers' plain
+        buffers, on the native engine: those peers' output chunks (Remotes), into which
+        fetch_reduce writes each piece as it is built, while it is in this core's cache; else
+        None (the steps go one after the other). Not for AVG, whose division comes after the
+        whole step (_step's postprocess), before the write."""
+        nxt = steps[i + 1] if i + 1 < len(steps) else None
+        if (nxt is None or nxt.kind != "write_out_copy" or spans[i + 1][1:] != spans[i][1:]
+                or ex.native is None or call.op == "avg"):   # (host.postprocess: AVG only)
+            return None
+        me, oo, k = self.reg.rank, spans[i][2], spans[i][1]
+        for q in steps[i].remote:   # the reads' waits first (their messages say "read")
+            if q != me:
+                self._view(ex, call, q, "in", views)
+        targets = [self._view(ex, call, q, "out", views, "write into")[oo:oo + k] for q in nxt.remote]
+        return targets if all(isinstance(t, Remote) for t in targets) else None
+
     def _step(self, ex, call, step, fn, views, ain: int, aout: int, io: int, k: int, oo: int,
-              stream_out_min: int) -> None:
+              stream_out_min: int, push: list | None = None) -> bool:
+        """One step; True where ``push`` (_push) went with a reducing step's pieces."""
         me = self.reg.rank
         out = call.out[oo:oo + k]
         if step.kind == "copy":
             size = call.inp.itemsize
             if aout + oo * size != ain + io * size:   # not a copy onto itself
                 stream_copy.copy(out, call.inp[io:io + k])
-            return
-        if step.writes:  # this rank's input chunk straight into each peer's output chunk
-            src = call.inp[io:io + k]
+            return False
+        if step.writes:  # this rank's input (write_copy) or output chunk straight into each peer's output chunk
+            src = out if WRITES[step.kind] == "out" else call.inp[io:io + k]
             for q in step.remote:
                 dst = self._view(ex, call, q, "out", views, "write into")[oo:oo + k]
                 if isinstance(dst, Remote):
                     self._cma(ex, call, dst, src, writing=True)
                 else:
                     stream_copy.copy(dst, src)
-            return
+            return False
         if step.reads == "out":
             srcs = [self._view(ex, call, step.remote[0], "out", views)[oo:oo + k]]
         else:
@@ -316,29 +338,35 @@ class ReadEngine:
                 self._cma(ex, call, srcs[0], out)
             else:
                 stream_copy.copy(out, srcs[0])
-            return
+            return False
         mine = [i for i, q in enumerate(step.remote) if q == me]
-        self._reduce(ex, call, out, srcs, fn, bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]),
-                     stream_out_min)
+        pushed = self._reduce(ex, call, out, srcs, fn,
+                              bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]), stream_out_min, push)
         if step.final:
             kernels.postprocess(out, call.op, self.reg.n)
+        return pushed
 
-    def _reduce(self, ex, call, out, srcs, fn, via_scratch: bool, stream_out_min: int) -> None:
+    def _reduce(self, ex, call, out, srcs, fn, via_scratch: bool, stream_out_min: int, push=None) -> bool:
         """out = srcs[0] op srcs[1] op ..., in that order (_reduce_pieces); where peers' plain
         buffers are among them and the engine is the native one, in fetch_reduce's compiled loop,
-        whose pieces are these (an output of ``stream_out_min`` bytes out of place streamed), and
-        Python's loop only from a piece whose read failed (it reads it again, and says why)."""
+        whose pieces are these (an output of ``stream_out_min`` bytes out of place streamed, each
+        piece written into ``push``'s peer chunks too), and Python's loop only from a piece whose
+        read or write failed (it reads it again, and says why). True where the pieces went to
+        ``push`` too (else the write step that follows writes the chunk)."""
         remote = [j for j, s in enumerate(srcs) if isinstance(s, Remote)]
         if (remote and ex.native is not None and len(srcs) >= 2 and len(srcs) - len(remote) <= 1
                 and fetch_reduce.loop(out.dtype) is not None):
-            failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch, stream_out_min)
+            failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch, stream_out_min, push)
             if failed < 0:
-                return
+                return bool(push)
             out, srcs = out[failed:], [s[failed:] for s in srcs]
         self._reduce_pieces(ex, call, out, srcs, fn, via_scratch)
+        return False
 
-    def _reduce_compiled(self, ex, call, out, srcs, remote: list, via_scratch: bool, stream_out_min: int) -> int:
-        """fetch_reduce.run over this step: -1 when done, else where its read failed."""
+    def _reduce_compiled(self, ex, call, out, srcs, remote: list, via_scratch: bool, stream_out_min: int,
+                         push=None) -> int:
+        """fetch_reduce.run over this step (writing each piece into ``push``'s Remotes too): -1 when
+        done, else where a read or write failed."""
         own_j = next((j for j, s in enumerate(srcs) if not isinstance(s, Remote)), -1)
         own = None if own_j < 0 else srcs[own_j]
         into = remote[0] if not via_scratch and (own is None or not np.may_share_memory(out, own)) else -1
@@ -353,6 +381,10 @@ class ReadEngine:
             self.iov = np.empty(4, np.int64)
         ex._waiting = (srcs[remote[0]].peer, "read", 0, time.monotonic())
         try:
+            if push:
+                return fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
+                                        call.op, into, build, self.iov, np.array([t.pid for t in push], np.int64),
+                                        np.array([t.addr for t in push], np.int64))
             return fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
                                     call.op, into, build, self.iov)
         finally:

@@ -97,8 +97,8 @@ _kernel = None
 
 def plan(sched, spans, size: int, me: int, pieces: bool = True):
     """The rows of a copy-only read schedule, from its steps' element spans (read_engine.step_spans:
-    input offset, length, output offset) and the element size; None where a step reduces (those
-    stay in read_engine.py). ``pieces``: take a block's writes and its copy a piece at a time
+    input offset, length, output offset) and the element size; None where a step reduces or
+    writes this rank's output chunk (those stay in read_engine.py). ``pieces``: take a block's writes and its copy a piece at a time
     (write_then_copy); not for a call in place, whose copy is none."""
     rows, peers, steps, i = [], [], sched.steps, 0
     while i < len(steps):
@@ -107,7 +107,7 @@ def plan(sched, spans, size: int, me: int, pieces: bool = True):
             rows.extend(_pieces(steps, spans, i, j, size))
             i = j + 1
             continue
-        if steps[i].reduces:
+        if steps[i].reduces or steps[i].kind == "write_out_copy":   # (a row's HERE is its input, for a write)
             return None
         rows.extend(_step_rows(steps[i], i, spans[i], size, me, peers))
         i += 1
@@ -190,7 +190,7 @@ def write_then_copy(steps, spans, i: int) -> int:
     is numbered the run's first step, so a call handed back to Python mid-run goes on from there
     (the run's writes and copy again: the same bytes to the same places)."""
     j = i
-    while j < len(steps) and steps[j].writes and spans[j][:2] == spans[i][:2]:
+    while j < len(steps) and steps[j].kind == "write_copy" and spans[j][:2] == spans[i][:2]:
         j += 1
     if i < j < len(steps) and steps[j].kind == "copy" and spans[j][:2] == spans[i][:2]:
         return j

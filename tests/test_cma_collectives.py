@@ -78,14 +78,16 @@ def test_collectives_read_plain_buffers_by_cma_as_right_as_by_the_fifos():
 
 def _engines_agree(comm, cases):
     """Each reducing case by CMA on the native engine (its reducing steps in fetch_reduce's compiled
-    loop, counted, and built the way a case's "build" names where it names one) and on the
-    reference engine (Python's loop): right both times, the same bits."""
+    loop, counted, built the way a case's "build" names where it names one, and all_reduce's
+    pieces written into every peer as they are built, but for AVG's) and on the reference engine
+    (Python's loop, then the write step): right both times, the same bits."""
     from ringcomm import fetch_reduce, stream_copy
-    run, ran, builds, errors = fetch_reduce.run, [0], [], []
+    run, ran, builds, pushes, errors = fetch_reduce.run, [0], [], [], []
 
     def counted(*args):
         ran[0] += 1
         builds.append(args[9])
+        pushes.append(args[11].size if len(args) > 11 else 0)
         return run(*args)
     fetch_reduce.run = counted
     for case in cases:
@@ -104,6 +106,9 @@ def _engines_agree(comm, cases):
                 want_build = fetch_reduce.INTO_OUT
             if engine == "native" and want_build is not None and set(builds[before:]) != {want_build}:
                 errors.append(f"{case}: built {builds[before:]}, not {case['build']}")
+            want_push = comm.world_size - 1 if case["collective"] == "all_reduce" and case["op"] != "avg" else 0
+            if engine == "native" and set(pushes[before:]) != {want_push}:
+                errors.append(f"{case}: pieces written into {pushes[before:]} peers, not {want_push}")
             got[engine] = result.tobytes()
         if got["native"] != got["python"]:
             errors.append(f"{case}: the engines' bits differ")
@@ -126,13 +131,15 @@ def test_reducing_read_steps_give_the_same_bits_compiled_as_in_python():
     # out of place, 8 MiB and 12 bytes of output a rank: built in L2 and streamed out (fetch_reduce.STREAM)
     cases.append(dict(collective="reduce_scatter", dtype="float32", op="sum", count=(2 << 20) + 3, algo=None,
                       root=0, inplace=False, seed=90, build="STREAM"))
-    # 1 MiB and 12 bytes: streamed where no step reads the output back (reduce_scatter), fetched into
-    # the output where one does (all_reduce's second phase; its chunk is 1 MiB + 12 bytes on 2 ranks)
+    # 1 MiB and 12 bytes of output: streamed, as no step reads it back (reduce_scatter; all_reduce,
+    # whose chunk is written into the peers as it is built); under 1 MiB fetched into the output
     n_elems = (1 << 18) + 3
     cases.append(dict(collective="reduce_scatter", dtype="float32", op="sum", count=n_elems, algo=None,
                       root=0, inplace=False, seed=91, build="STREAM"))
-    cases.append(dict(collective="all_reduce", dtype="float32", op="sum", count=2 * n_elems, algo=None,
-                      root=0, inplace=False, seed=92, build="INTO_OUT"))
+    cases.append(dict(collective="all_reduce", dtype="float32", op="sum", count=3 * n_elems, algo=None,
+                      root=0, inplace=False, seed=92, build="STREAM"))
+    cases.append(dict(collective="reduce_scatter", dtype="float32", op="max", count=n_elems - 1000, algo=None,
+                      root=0, inplace=False, seed=93, build="INTO_OUT"))
     for n in (2, 3):
         with World(n, {"RINGCOMM_CMA_MIN": "1"}, timeout=120) as w:
             errors = w.run(_engines_agree, cases, timeout=200)
@@ -284,17 +291,19 @@ def _call(comm, root, collective):
         comm.all_reduce(x)
 
 
+# (the copy the peer dies in, root, collective, what the message says this rank was doing, the
+# engines that make that copy: all_reduce's reads and writes are fetch_reduce's on the native engine)
 _KILLED_DURING = [
-    ("copy_to", 1, "broadcast", "reading \\(CMA\\) its buffer in broadcast #\\d+ from"),
-    ("copy_from", 0, "broadcast", "writing \\(CMA\\) into its buffer in broadcast #\\d+ of"),
-    ("copy_to", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from"),
-    ("fetch_reduce", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from")]
+    ("copy_to", 1, "broadcast", "reading \\(CMA\\) its buffer in broadcast #\\d+ from", ("native", "python")),
+    ("copy_from", 0, "broadcast", "writing \\(CMA\\) into its buffer in broadcast #\\d+ of", ("native", "python")),
+    ("copy_to", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from", ("python",)),
+    ("copy_from", None, "all_reduce", "writing \\(CMA\\) into its buffer in all_reduce #\\d+ of", ("python",)),
+    ("fetch_reduce", None, "all_reduce", "reading \\(CMA\\) its buffer in all_reduce #\\d+ from", ("native",))]
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method, root, collective, doing, engine", [
-    (*case, engine) for case in _KILLED_DURING for engine in ("native", "python")
-    if not (case[0] == "fetch_reduce" and engine == "python")])   # fetch_reduce is the native engine's
+    (*case[:4], engine) for case in _KILLED_DURING for engine in case[4]])
 def test_a_peer_killed_during_a_cma_copy_is_reported_at_once(method, root, collective, doing, engine):
     with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=60) as w:
         w.start(_die_during, method, root, collective, engine, ranks=[0])

@@ -16,9 +16,9 @@ from cases import ALGOS, BLOCK_COLLECTIVES, COLLECTIVES, DTYPES, OPS, compare, m
 from harness import World
 from ringcomm import catalogue
 from ringcomm.registered import READ_MIN_BYTES
-from ringcomm.schedule.onecopy import read_all_reduce
+from ringcomm.schedule.onecopy import read_all_reduce, read_back_all_reduce
 from ringcomm.schedule.simulate import ScheduleError, check
-from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync
+from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync, write_out_copy
 from ringcomm.schedule.verify import verify_schedules
 from ringcomm.transport import cma
 
@@ -57,7 +57,34 @@ def test_read_steps_are_checked_when_built():
         Step("recv", 0, src=(1,), remote=(2,))
     s = read_all_reduce(1, 3)
     assert s.registered and not catalogue.build_schedule("all_reduce", "ring", 1, 3, None).registered
-    assert str(s.steps[0]) == "read_reduce_copy(1, reads=[0, 1, 2])" and str(s.steps[1]) == "sync(0, with=[0, 2])"
+    assert [str(x) for x in s.steps] == ["read_reduce_copy(1, reads=[0, 1, 2])", "write_out_copy(1, writes=[0, 2])",
+                                         "sync(0, with=[0, 2])"]
+    assert str(read_back_all_reduce(1, 3).steps[1]) == "sync(0, with=[0, 2])"
+
+
+@pytest.mark.parametrize("make", [read_all_reduce, read_back_all_reduce])
+def test_both_read_all_reduces_verify_in_and_out_of_place(make):
+    for n in (2, 3, 5):
+        rep = verify_schedules("all_reduce", [make(r, n) for r in range(n)], 1001)
+        assert rep.ok and rep.rank_identical and rep.size_independent, rep.summary()
+
+
+def _broken_push(n, steps):
+    scheds = [read_all_reduce(r, n) for r in range(n)]
+    scheds[1] = Schedule("all_reduce", "read", 1, n, n, SPLIT, SPLIT, tuple(steps))
+    return verify_schedules("all_reduce", scheds, 100)
+
+
+def test_a_broken_write_out_copy_is_caught():
+    # before rank 1 has reduced its chunk: it has nothing to write
+    rep = _broken_push(3, [write_out_copy(1, (0, 2)), read_reduce_copy(1, (0, 1, 2)), sync((0, 2))])
+    assert not rep.ok and "writes its output chunk 1 into its peers before any step wrote it" in rep.postcondition
+    # into the peers' chunk 0, which rank 0 writes there: the wrong value, and a race with rank 0's write
+    rep = _broken_push(3, [read_reduce_copy(1, (0, 1, 2)), write_out_copy(0, (0, 2)), sync((0, 2))])
+    assert not rep.ok, rep.summary()
+    # leaving without the last sync: rank 1's peers may still be writing into its output
+    rep = _broken_push(3, [read_reduce_copy(1, (0, 1, 2)), write_out_copy(1, (0, 2))])
+    assert not rep.ok and "no sync with rank(s) [0, 2] follows" in rep.postcondition, rep.postcondition
 
 
 def test_read_all_reduce_has_one_order_for_every_rank_and_size():
@@ -67,7 +94,7 @@ def test_read_all_reduce_has_one_order_for_every_rank_and_size():
 
 
 def _broken(n, index, step):
-    scheds = [read_all_reduce(r, n) for r in range(n)]
+    scheds = [read_back_all_reduce(r, n) for r in range(n)]
     steps = list(scheds[1].steps)
     if step is None:
         del steps[index]

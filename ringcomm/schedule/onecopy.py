@@ -7,10 +7,13 @@ the phases, so nobody reads an output chunk before its owner has written it, and
 the call while a peer may still read its buffers.
 
 - all_reduce: rank r reduces chunk r of every rank's input, in rank order (x0 + x1 + ... on every
-  chunk: the same order on every rank and for every message size), into its own output chunk r;
-  sync; then it copies chunk q from rank q's output for every other q; sync. In place is safe:
-  in the first phase rank r writes only its chunk r, which no peer reads then (they read their
-  own chunks of r's input); in the second it writes chunks the peers do not read.
+  chunk: the same order on every rank and for every message size), into its own output chunk r,
+  and writes that chunk straight into every peer's output chunk r (write_out_copy); sync. The
+  engine takes the two steps a piece at a time, so each reduced piece leaves for the peers
+  while it is in this core's cache, where reading it back after a sync (read_out_copy, the
+  schedule before) read it from memory and cost a second sync. In place is safe: rank r writes
+  only chunk r, its own and its peers', and only rank r reads chunk r of anyone's input: it
+  reads each piece of a peer's before it writes the result over it.
 - reduce_scatter: rank r reduces block r of every rank's input into its output; sync.
 - all_gather: rank r writes its own block straight into every peer's output (write_copy), then
   copies it into its own; sync. The engine takes the two steps a piece at a time (a write, then
@@ -25,12 +28,25 @@ the call while a peer may still read its buffers.
 from __future__ import annotations
 
 from .step import (BLOCK, OWN, SPLIT, Schedule, copy, read_copy, read_out_copy, read_reduce_copy, sync,
-                   write_copy)
+                   write_copy, write_out_copy)
 
 ALGO = "read"
 
 
 def read_all_reduce(rank: int, n: int) -> Schedule:
+    _check(rank, n)
+    if n == 1:
+        return Schedule("all_reduce", ALGO, rank, n, 1, SPLIT, SPLIT, (copy(0),))
+    others = _others(rank, n)
+    steps = (read_reduce_copy(rank, tuple(range(n))), write_out_copy(rank, others), sync(others))
+    return Schedule("all_reduce", ALGO, rank, n, n, SPLIT, SPLIT, steps)
+
+
+def read_back_all_reduce(rank: int, n: int) -> Schedule:
+    """The all_reduce read schedule before write_out_copy, kept to learn from and to test the
+    checker on: each rank reduces its chunk; sync; it copies every other chunk from its owner's
+    output (read_out_copy); sync. Every reduced chunk is read back after the sync, from memory
+    once it has left the owner's cache, and the call has two syncs where read_all_reduce has one."""
     _check(rank, n)
     if n == 1:
         return Schedule("all_reduce", ALGO, rank, n, 1, SPLIT, SPLIT, (copy(0),))

@@ -21,12 +21,13 @@ The model, as ringcomm/read_engine.py runs it:
   schedule, by a sync with that peer, so no rank leaves the call while another still reads its
   buffers or writes into them.
 - ``write_copy`` puts this rank's input chunk straight into each target's output chunk, once the
-  target has entered the round. The target does not see it happen, so nothing else may touch
+  target has entered the round (``write_out_copy`` the same, from this rank's output chunk, which
+  an earlier step of this rank must have written). The target does not see it happen, so nothing else may touch
   that chunk's memory (the target writing or reading it, in place its input under it, a third
   rank reading or writing it) unless syncs order the two. The check is a vector clock per rank,
   as a race detector keeps: a rank's epoch grows at each sync it arrives at, passing a sync with
   p merges p's clock as p arrived, and two accesses to one chunk are ordered when the later one's
-  rank had seen the earlier one's epoch. Only schedules with a write_copy keep the access log
+  rank had seen the earlier one's epoch. Only schedules with a write step keep the access log
   (simulate's ``racy``); for reads alone the rules above are exact.
 """
 from __future__ import annotations
@@ -44,8 +45,9 @@ class _State:
     outputs (round, [values]) when it reached its j-th sync with p; input_reads[(round, owner,
     reader, pair phase)]: the owner's input chunks the reader read in that phase. For the race
     check: clocks[r] (rank -> the latest epoch of it that r has seen; r's own is its current one),
-    clock_at[(r, p, j)] (r's clock when it reached its j-th sync with p), and log[place]: every
-    access to a chunk's memory as (rank, epoch, what, region, where)."""
+    clock_at[(r, p, j)] (r's clock when it reached its j-th sync with p), log[place]: every
+    access to a chunk's memory as (rank, epoch, what, region, where); and written_by[(round,
+    owner, cell)]: the peer whose write step last stored that output cell."""
 
     def __init__(self):
         self.arrivals = defaultdict(lambda: defaultdict(int))
@@ -55,6 +57,7 @@ class _State:
         self.clocks = {}
         self.clock_at = {}
         self.log = defaultdict(list)
+        self.written_by = {}
 
 
 def _state(sim) -> _State:
@@ -177,11 +180,13 @@ def touch(sim, st, place: tuple, what: str, region: str) -> None:
 
 
 def write(sim, st, step, value) -> None:
-    """write_copy: ``value`` (this rank's input chunk) into each target's output chunk."""
+    """write_copy, write_out_copy: ``value`` (this rank's input or output chunk) into each target's
+    output chunk."""
     for q in step.remote:
         cell = output_cell(sim.ranks[q].sched, step.chunk)
         touch(sim, st, output_place(sim, st.round, q, cell), "remote write", "out")
         sim.store(st, q, cell, value)
+        _state(sim).written_by[st.round, q, cell] = st.sched.rank
 
 
 def _cell_over(sim, q, name):
@@ -196,7 +201,9 @@ def _changes(value, q, name) -> bool:
 
 def _check_overwrites(sim, st, p) -> None:
     """At st's arrival at a sync with p, which ends a phase of the pair: no output cell st wrote in
-    that phase may lie over an input chunk that p read in it."""
+    that phase may lie over an input chunk that p read in it, unless p itself wrote the cell (a
+    write step of p's, after its read in p's own order: advance() refuses a read of a chunk
+    already overwritten; all_reduce's write_out_copy over the peer chunk it reduced)."""
     ps, me = _state(sim), st.sched.rank
     phase = ps.arrivals[me][p]
     rd, before = ps.seen.get((me, p, phase), (None, None))
@@ -206,6 +213,8 @@ def _check_overwrites(sim, st, p) -> None:
         if cell is None:
             continue
         old = before[cell] if rd == st.round else None
+        if ps.written_by.get((st.round, me, cell)) == p:
+            continue
         if now[cell] is not old and _changes(now[cell], me, name):
             sim._fault(READ_AFTER_WRITE, st, f"{st.where()}: rank {me} overwrote its input chunk {name} in "
                                              f"the phase in which rank {p} reads it: no sync between the read "
@@ -217,6 +226,14 @@ def value(sim, st, step):
     if step.kind == "sync":
         return None
     s, me = st.sched, st.sched.rank
+    if step.kind == "write_out_copy":  # this rank's output chunk as it holds it now (write())
+        cell = output_cell(s, step.chunk)
+        if sim.racy:
+            touch(sim, st, output_place(sim, st.round, me, cell), "read", "out")
+        if sim.outputs[st.round][me][cell] is None:
+            sim._stop(Failure(UNMATCHED, me, st.index, step.chunk, f"{st.where()} writes its output chunk "
+                                                                 f"{cell} into its peers before any step wrote it"))
+        return sim.outputs[st.round][me][cell]
     if step.writes:  # this rank's own input chunk, to be written into the targets (write())
         return sim._read(st, step, input_name(s, step.chunk))
     if step.reads == "in":

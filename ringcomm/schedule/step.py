@@ -95,9 +95,13 @@ READS = {
 # of a buffer its owner is filling too (a 2-rank broadcast: the root writes one half while the
 # receiver reads the other).
 #   write_copy         every peer in ``remote`` gets output[chunk] = this rank's input chunk
+#   write_out_copy     every peer in ``remote`` gets output[chunk] = this rank's output chunk, as an
+#                      earlier step of this rank wrote it (all_reduce: each rank's reduced chunk
+#                      goes straight to its peers, while it is still in this core's cache)
 # The same rules hold, and one more: nothing may touch that output chunk (its owner, or another
 # rank reading or writing it) unless a chain of syncs orders it before or after the write.
-WRITES = {"write_copy"}
+# The buffer a write step takes its bytes from: this rank's input or its output.
+WRITES = {"write_copy": "in", "write_out_copy": "out"}
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,7 @@ class Step:
         if self.dst:
             s += f", to={list(self.dst)}"
         if self.remote:
-            verb = {"sync": "with", "write_copy": "writes"}.get(self.kind, "reads")
+            verb = "with" if self.kind == "sync" else "writes" if self.kind in WRITES else "reads"
             s += f", {verb}={list(self.remote)}"
         return s + ")"
 
@@ -211,6 +215,10 @@ def read_out_copy(c, frm):
 
 def write_copy(c, to):
     return Step("write_copy", c, remote=_peers(to))
+
+
+def write_out_copy(c, to):
+    return Step("write_out_copy", c, remote=_peers(to))
 
 
 def sync(peers):

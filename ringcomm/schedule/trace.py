@@ -57,6 +57,10 @@ class TracingSim(_Sim):
         if step.copies:
             out = output_cell(s, step.chunk)
             self.values[rd, me, out, sl] = self.outputs[rd][me][out]
+        if step.writes:   # into the peers' outputs (write_copy, write_out_copy)
+            for q in step.remote:
+                out = output_cell(self.ranks[q].sched, step.chunk)
+                self.values[rd, q, out, sl] = self.outputs[rd][q][out]
         verb = []
         if step.src:
             verb.append(f"takes a slice from {list(step.src)}")
