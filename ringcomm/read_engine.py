@@ -49,16 +49,17 @@ FETCH_PIECE_BYTES = 256 * 1024
 # streamed against fetched into the output and reduced there (us; the step's output is half the
 # reduce_scatter's input and all_reduce's chunk): reduce_scatter 4 MiB 512, 492 against 559, 567,
 # 16 MiB 1558, 1465 against 1655, 1721, 64 MiB 9159, 8657 against 13110, 12909; all_reduce 4 MiB
-# 897, 906 against 812, 874 (its second phase reads the chunk back from memory: slower), 16 MiB
+# 897, 906 against 812, 874 (its second phase read the chunk back from memory then: slower), 16 MiB
 # 2730, 2718 against 2723, 2882, 64 MiB 15258, 15331 against 18076, 18935. So from
-# stream_copy's threshold, where both gain or tie.
+# stream_copy's threshold, where both gain or tie, for a step whose output a later step reads.
 STREAM_OUT_MIN_BYTES = stream_copy.STREAM_MIN_BYTES
 # ...and from this much where no step of the schedule reads an output back (reduce_scatter, reduce:
-# the call's last touch of it is this write). Same VM, rows as above, streamed from here against
-# from 8 MiB, reduce_scatter 2 ranks (the step's output is half the row): 2 MiB 233, 251 against
-# 256, 261 us; 4 MiB 413, 423 against 449, 468; 8 MiB 751, 764 against 797, 807; 1 MiB and 512
-# KiB level. Alone in one process (fr_micro in docs/06), streaming beats fetching into the output
-# from 1 MiB (146 against 171 us) and ties at 512 KiB.
+# the call's last touch of it is this write; all_reduce, whose write_out_copy goes with the pieces:
+# _push). Same VM, rows as above, streamed from here against from 8 MiB, reduce_scatter 2 ranks
+# (the step's output is half the row): 2 MiB 233, 251 against 256, 261 us; 4 MiB 413, 423 against
+# 449, 468; 8 MiB 751, 764 against 797, 807; 1 MiB and 512 KiB level. Alone in one process
+# (docs/06 "Reductions from fetched pieces"), streaming beats fetching into the output from 1 MiB
+# (146 against 171 us) and ties at 512 KiB.
 STREAM_FINAL_OUT_MIN_BYTES = 1024 * 1024
 
 
