@@ -16,6 +16,7 @@ from cases import ALGOS, BLOCK_COLLECTIVES, COLLECTIVES, DTYPES, OPS, compare, m
 from harness import World
 from ringcomm import catalogue
 from ringcomm.registered import READ_MIN_BYTES
+from ringcomm.schedule import peer_read
 from ringcomm.schedule.onecopy import read_all_reduce, read_back_all_reduce
 from ringcomm.schedule.simulate import ScheduleError, check
 from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync, write_out_copy
@@ -60,6 +61,9 @@ def test_read_steps_are_checked_when_built():
     assert [str(x) for x in s.steps] == ["read_reduce_copy(1, reads=[0, 1, 2])", "write_out_copy(1, writes=[0, 2])",
                                          "sync(0, with=[0, 2])"]
     assert str(read_back_all_reduce(1, 3).steps[1]) == "sync(0, with=[0, 2])"
+    # the cost model's stages: the write sends what the reduction made, so it comes after the reads
+    assert [peer_read.stage(s, i) for i in range(3)] == [0, 1, 2]
+    assert [peer_read.stage(read_back_all_reduce(1, 3), i) for i in range(5)] == [0, 2, 3, 3, 5]
 
 
 @pytest.mark.parametrize("make", [read_all_reduce, read_back_all_reduce])

@@ -279,10 +279,12 @@ def waiting(sim, st, step) -> tuple[int, str]:
 
 
 def stage(s, index: int) -> int:
-    """The cost model's stage of step ``index`` of schedule ``s``: reads between the k-th and the
-    (k+1)-th sync are stage 2k, the (k+1)-th sync is stage 2k + 1."""
+    """The cost model's stage of step ``index`` of schedule ``s``: between the k-th and the
+    (k+1)-th sync, reads and write_copy are stage 3k, a write_out_copy (which sends what this
+    rank's earlier steps there produced) 3k + 1; the (k+1)-th sync is stage 3k + 2."""
     k = sum(1 for x in s.steps[:index] if x.kind == "sync")
-    return 2 * k + (s.steps[index].kind == "sync")
+    kind = s.steps[index].kind
+    return 3 * k + (2 if kind == "sync" else 1 if kind == "write_out_copy" else 0)
 
 
 def cost_messages(scheds, m, chunk) -> None:
