@@ -294,11 +294,12 @@ class ReadEngine:
         return (self.reg.locate(arr) if self.reg.mine else None) or (-1, addr)
 
     def _push(self, ex, call, steps, spans, i: int, views) -> list | None:
-        """Where reducing step i is followed by a write_out_copy of its chunk to peers' plain
-        buffers, on the native engine: those peers' output chunks (Remotes), into which
-        fetch_reduce writes each piece as it is built, while it is in this core's cache; else
-        None (the steps go one after the other). Not for AVG, whose division comes after the
-        whole step (_step's postprocess), before the write."""
+        """Where reducing step i is followed by a write_out_copy of its chunk, on the native engine:
+        the peers' output chunks (Remotes of plain buffers, views of registered ones), into which
+        each piece is written as soon as it is built, while it is in this core's cache (by
+        fetch_reduce, or _reduce_pieces); else None (the steps go one after the other, as on the
+        reference engine). Not for AVG, whose division comes after the whole step (_step's
+        postprocess), before the write."""
         nxt = steps[i + 1] if i + 1 < len(steps) else None
         if (nxt is None or nxt.kind != "write_out_copy" or spans[i + 1][1:] != spans[i][1:]
                 or ex.native is None or call.op == "avg"):   # (host.postprocess: AVG only)
@@ -307,8 +308,7 @@ class ReadEngine:
         for q in steps[i].remote:   # the reads' waits first (their messages say "read")
             if q != me:
                 self._view(ex, call, q, "in", views)
-        targets = [self._view(ex, call, q, "out", views, "write into")[oo:oo + k] for q in nxt.remote]
-        return targets if all(isinstance(t, Remote) for t in targets) else None
+        return [self._view(ex, call, q, "out", views, "write into")[oo:oo + k] for q in nxt.remote]
 
     def _step(self, ex, call, step, fn, views, ain: int, aout: int, io: int, k: int, oo: int,
               stream_out_min: int, push: list | None = None) -> bool:
@@ -356,13 +356,15 @@ class ReadEngine:
         ``push`` too (else the write step that follows writes the chunk)."""
         remote = [j for j, s in enumerate(srcs) if isinstance(s, Remote)]
         if (remote and ex.native is not None and len(srcs) >= 2 and len(srcs) - len(remote) <= 1
-                and fetch_reduce.loop(out.dtype) is not None):
+                and fetch_reduce.loop(out.dtype) is not None
+                and all(isinstance(t, Remote) for t in push or ())):
             failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch, stream_out_min, push)
             if failed < 0:
                 return bool(push)
             out, srcs = out[failed:], [s[failed:] for s in srcs]
-        self._reduce_pieces(ex, call, out, srcs, fn, via_scratch)
-        return False
+            push = push and [t[failed:] for t in push]
+        self._reduce_pieces(ex, call, out, srcs, fn, via_scratch, push)
+        return bool(push)
 
     def _reduce_compiled(self, ex, call, out, srcs, remote: list, via_scratch: bool, stream_out_min: int,
                          push=None) -> int:
@@ -391,8 +393,9 @@ class ReadEngine:
         finally:
             ex._waiting = None
 
-    def _reduce_pieces(self, ex, call, out, srcs, fn, via_scratch: bool) -> None:
-        """out = srcs[0] op srcs[1] op ..., in that order, piece by piece. Where out is this rank's own
+    def _reduce_pieces(self, ex, call, out, srcs, fn, via_scratch: bool, push=None) -> None:
+        """out = srcs[0] op srcs[1] op ..., in that order, piece by piece, each piece written into
+        ``push``'s peer chunks too once built (_push). Where out is this rank's own
         input (in place) and that input is not among the first two operands, the first operation
         would overwrite it before it is read: those pieces are built in a scratch buffer.
 
@@ -427,6 +430,11 @@ class ReadEngine:
             fn(ops[0], ops[1], out=acc)
             for s in ops[2:]:
                 fn(acc, s, out=acc)
+            for t in push or ():
+                if isinstance(t, Remote):
+                    self._cma(ex, call, t[a:b], acc, writing=True)
+                else:
+                    t[a:b] = acc
             if via_scratch:
                 out[a:b] = acc
 

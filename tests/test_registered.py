@@ -263,7 +263,18 @@ def _matrix(comm, cases, others):
     area = comm.alloc(2 * 8 * BIG * comm.world_size + 64, np.uint8)
     assert area.flags.c_contiguous and not area.any()
     runs = _counting_native_runs(comm)
-    errors = [e for e in (_run_case(comm, c, area) for c in cases) if e]
+    eng, pushed = comm._registry.engine, []
+    push = eng._push
+    eng._push = lambda *args: pushed.append(push(*args)) or pushed[-1]
+    errors = []
+    for c in cases:   # all_reduce's write_out_copy goes with its reducing step's pieces, but for AVG's
+        before = len(pushed)
+        errors.append(_run_case(comm, c, area))
+        went = [p is not None for p in pushed[before:]]
+        if c["collective"] == "all_reduce" and c["count"] and went != [c["op"] != "avg"]:
+            errors.append(f"{c}: the reduced pieces went to the peers as built: {went}")
+    errors = [e for e in errors if e]
+    del eng._push
     if runs[0]:
         errors.append(f"the native engine ran {runs[0]} read calls: they belong to read_engine.py")
     for case in others:
