@@ -433,8 +433,8 @@ class ReadEngine:
             for t in push or ():
                 if isinstance(t, Remote):
                     self._cma(ex, call, t[a:b], acc, writing=True)
-                else:
-                    t[a:b] = acc
+                else:   # streamed where the whole chunk is big, as the copy it replaces was
+                    stream_copy.copy(t[a:b], acc, out.nbytes)
             if via_scratch:
                 out[a:b] = acc
 
