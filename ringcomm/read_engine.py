@@ -415,8 +415,12 @@ class ReadEngine:
         else:
             piece_bytes = ONE_PASS_PIECE_BYTES if len(srcs) == 2 and not via_scratch else PIECE_BYTES
         piece = max(1, piece_bytes // out.itemsize)
-        into_out = bool(remote) and not via_scratch and not any(
-            np.may_share_memory(out, s) for s in srcs if not isinstance(s, Remote))
+        in_place = any(np.may_share_memory(out, s) for s in srcs if not isinstance(s, Remote))
+        into_out = bool(remote) and not via_scratch and not in_place
+        # A piece written into a peer's mapping is streamed where the chunk is big and out of place:
+        # in place the peer's chunk is its input, whose lines this rank has just read (an ordinary
+        # store finds them in its cache; streamed, they would be evicted first).
+        whole = 0 if in_place else out.nbytes
         fetched = [(j, None if into_out and j == remote[0] else self._scratch(out.dtype, piece, 1 + j))
                    for j in remote]
         scratch = self._scratch(out.dtype, piece) if via_scratch else None
@@ -433,8 +437,8 @@ class ReadEngine:
             for t in push or ():
                 if isinstance(t, Remote):
                     self._cma(ex, call, t[a:b], acc, writing=True)
-                else:   # streamed where the whole chunk is big, as the copy it replaces was
-                    stream_copy.copy(t[a:b], acc, out.nbytes)
+                else:
+                    stream_copy.copy(t[a:b], acc, whole)
             if via_scratch:
                 out[a:b] = acc
 
