@@ -19,7 +19,9 @@ from ringcomm.registered import READ_MIN_BYTES
 from ringcomm.schedule import peer_read
 from ringcomm.schedule.onecopy import read_all_reduce, read_back_all_reduce
 from ringcomm.schedule.simulate import ScheduleError, check
-from ringcomm.schedule.step import SPLIT, Schedule, Step, read_out_copy, read_reduce_copy, sync, write_out_copy
+from ringcomm.schedule.faults import READ_AFTER_WRITE
+from ringcomm.schedule.step import (SPLIT, Schedule, Step, read_copy, read_out_copy, read_reduce_copy, sync,
+                                    write_out_copy)
 from ringcomm.schedule.verify import verify_schedules
 from ringcomm.transport import cma
 
@@ -89,6 +91,20 @@ def test_a_broken_write_out_copy_is_caught():
     # leaving without the last sync: rank 1's peers may still be writing into its output
     rep = _broken_push(3, [read_reduce_copy(1, (0, 1, 2)), write_out_copy(1, (0, 2))])
     assert not rep.ok and "no sync with rank(s) [0, 2] follows" in rep.postcondition, rep.postcondition
+
+
+def test_a_peer_write_does_not_excuse_a_later_overwrite_by_the_owner():
+    # Rank 1 writes rank 0's chunk 0 back unchanged (write_out_copy of a copy of it); in the next
+    # phase rank 0 overwrites that chunk (in place: its input) while rank 1 reads it again. The
+    # in-place rule lets a peer's own write over a chunk it read, but not the owner's write after it.
+    def s(r, *steps):
+        return Schedule("all_reduce", "mine", r, 3, 3, SPLIT, SPLIT, steps)
+    scheds = [s(0, sync(1), read_copy(0, 2), sync((1, 2))),
+              s(1, read_copy(0, 0), write_out_copy(0, 0), sync(0), read_copy(0, 0), sync(0)),
+              s(2, sync(0))]
+    rep = verify_schedules("all_reduce", scheds, 10)
+    assert any(f.kind == READ_AFTER_WRITE and "rank 0 overwrote its input chunk 0 in the phase in which rank 1 "
+               "reads it" in f.detail for f in rep.failures), rep.summary()
 
 
 def test_read_all_reduce_has_one_order_for_every_rank_and_size():

@@ -47,7 +47,7 @@ class _State:
     check: clocks[r] (rank -> the latest epoch of it that r has seen; r's own is its current one),
     clock_at[(r, p, j)] (r's clock when it reached its j-th sync with p), log[place]: every
     access to a chunk's memory as (rank, epoch, what, region, where); and written_by[(round,
-    owner, cell)]: the peer whose write step last stored that output cell."""
+    owner, cell)]: (the peer whose write step last stored that output cell, the value it stored)."""
 
     def __init__(self):
         self.arrivals = defaultdict(lambda: defaultdict(int))
@@ -186,7 +186,7 @@ def write(sim, st, step, value) -> None:
         cell = output_cell(sim.ranks[q].sched, step.chunk)
         touch(sim, st, output_place(sim, st.round, q, cell), "remote write", "out")
         sim.store(st, q, cell, value)
-        _state(sim).written_by[st.round, q, cell] = st.sched.rank
+        _state(sim).written_by[st.round, q, cell] = (st.sched.rank, value)
 
 
 def _cell_over(sim, q, name):
@@ -213,7 +213,8 @@ def _check_overwrites(sim, st, p) -> None:
         if cell is None:
             continue
         old = before[cell] if rd == st.round else None
-        if ps.written_by.get((st.round, me, cell)) == p:
+        by = ps.written_by.get((st.round, me, cell))
+        if by is not None and by[0] == p and now[cell] is by[1]:   # p's write, and nothing since
             continue
         if now[cell] is not old and _changes(now[cell], me, name):
             sim._fault(READ_AFTER_WRITE, st, f"{st.where()}: rank {me} overwrote its input chunk {name} in "
