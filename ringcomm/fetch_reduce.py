@@ -25,7 +25,8 @@ back) goes STREAM: its lines are written, never read.
 
 Waits, errors and AVG's division stay where they were: Python waits for the peers to enter the
 call before (read_engine._view), and a failed read hands the step back at its piece (the return
-value), where Python's loop reads it again and explains the error (a dead peer, a refusal).
+value), where Python's loop reads it again and explains the error (a dead peer, a refusal); a
+failed write into a peer stops the writes, not the reduction, and Python writes the rest.
 Operands and buffers arrive by address, so a read-only input and a writable output are one array
 type in the compiled code; ``like`` (an empty array of the storage dtype) picks the loop's type.
 """
@@ -79,8 +80,9 @@ def run(out: np.ndarray, own, own_j: int, pids: np.ndarray, addrs: np.ndarray, s
     INTO_OUT, SCRATCH or STREAM (STREAM only where streaming is on: stream_copy); ``push_pids``,
     ``push_addrs``: processes and addresses (of their element 0 of the span) into which each piece
     is written by process_vm_writev as soon as it is built (all_reduce's write_out_copy). Returns
-    -1 when done, else the element offset of the piece whose read or write failed (nothing from it
-    on is reduced, or written)."""
+    -1 when done; the element offset of the piece whose read failed (nothing from it on is
+    reduced); or -2 - the offset of the piece whose write failed (the step is reduced in full,
+    nothing from that piece on is written: the caller writes it, and says why if it fails again)."""
     kind = native_kernels.storage(out.dtype)
     like = np.empty(0, kind)
     own_addr = 0 if own is None else own.ctypes.data
@@ -112,6 +114,7 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
           build, readv, memmove, iov, push_pids, push_addrs, writev):
     m = pids.size
     item = like.itemsize
+    unwritten = -1   # the first piece not written into the peers (-1: none)
     out = _carray(native_sync.typed_ptr(out_addr, like), size)
     own = _carray(native_sync.typed_ptr(own_addr if own_addr else out_addr, like), size)
     scratch = _carray(native_sync.typed_ptr(scratch_addr, like), ((m + 1) * row,))
@@ -132,11 +135,11 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
         for j in range(2, m):
             _reduce_into(acc, acc, _operand(j, a, b, own_j, into, own, out, scratch, row), op, kind16)
         built = out_addr + a * item if build == INTO_OUT else scratch_addr + (m * row) * item
-        for t in range(push_pids.size):   # to the peers while the piece is in cache
-            if not _fetch(writev, push_pids[t], built, push_addrs[t] + a * item, k * item, iov):
-                if build == STREAM:
-                    native_sync.stream_fence()
-                return a
+        if unwritten < 0:   # to the peers (if any) while the piece is in cache
+            for t in range(push_pids.size):
+                if not _fetch(writev, push_pids[t], built, push_addrs[t] + a * item, k * item, iov):
+                    unwritten = a   # no more writes; the reduction goes on (in place it cannot be redone)
+                    break
         if build != INTO_OUT:   # the piece built in scratch row m goes out
             dst, src = out_addr + a * item, built
             if build == STREAM:
@@ -145,4 +148,4 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
                 native_sync.call_c(memmove, dst, src, k * item, 0, 0, 0)
     if build == STREAM:
         native_sync.stream_fence()   # as stream_copy's: the lines are in place before a later store (a sync)
-    return -1
+    return -1 if unwritten < 0 else -2 - unwritten

@@ -341,8 +341,8 @@ class ReadEngine:
                 stream_copy.copy(out, srcs[0])
             return False
         mine = [i for i, q in enumerate(step.remote) if q == me]
-        pushed = self._reduce(ex, call, out, srcs, fn,
-                              bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]]), stream_out_min, push)
+        via_scratch = bool(mine) and mine[0] >= 2 and np.shares_memory(out, srcs[mine[0]])
+        pushed = self._reduce(ex, call, out, srcs, fn, via_scratch, stream_out_min, push)
         if step.final:
             kernels.postprocess(out, call.op, self.reg.n)
         return pushed
@@ -352,15 +352,21 @@ class ReadEngine:
         buffers are among them and the engine is the native one, in fetch_reduce's compiled loop,
         whose pieces are these (an output of ``stream_out_min`` bytes out of place streamed, each
         piece written into ``push``'s peer chunks too), and Python's loop only from a piece whose
-        read or write failed (it reads it again, and says why). True where the pieces went to
-        ``push`` too (else the write step that follows writes the chunk)."""
+        read failed (it reads it again, and says why); where a write failed, the reduction is
+        whole and Python writes from that piece on (and says why if it fails again). True where
+        the chunk went to ``push`` (else the write step that follows writes it)."""
         remote = [j for j, s in enumerate(srcs) if isinstance(s, Remote)]
         if (remote and ex.native is not None and len(srcs) >= 2 and len(srcs) - len(remote) <= 1
                 and fetch_reduce.loop(out.dtype) is not None
                 and all(isinstance(t, Remote) for t in push or ())):
             failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch, stream_out_min, push)
-            if failed < 0:
+            if failed == -1:
                 return bool(push)
+            if failed < -1:   # reduced in full; the writes stopped at a piece: write the rest here
+                w = -2 - failed
+                for t in push:
+                    self._cma(ex, call, t[w:], out[w:], writing=True)
+                return True
             out, srcs = out[failed:], [s[failed:] for s in srcs]
             push = push and [t[failed:] for t in push]
         self._reduce_pieces(ex, call, out, srcs, fn, via_scratch, push)
@@ -369,7 +375,7 @@ class ReadEngine:
     def _reduce_compiled(self, ex, call, out, srcs, remote: list, via_scratch: bool, stream_out_min: int,
                          push=None) -> int:
         """fetch_reduce.run over this step (writing each piece into ``push``'s Remotes too): -1 when
-        done, else where a read or write failed."""
+        done, the piece where a read failed, or -2 - the piece where a write failed."""
         own_j = next((j for j, s in enumerate(srcs) if not isinstance(s, Remote)), -1)
         own = None if own_j < 0 else srcs[own_j]
         into = remote[0] if not via_scratch and (own is None or not np.may_share_memory(out, own)) else -1

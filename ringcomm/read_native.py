@@ -98,8 +98,9 @@ _kernel = None
 def plan(sched, spans, size: int, me: int, pieces: bool = True):
     """The rows of a copy-only read schedule, from its steps' element spans (read_engine.step_spans:
     input offset, length, output offset) and the element size; None where a step reduces or
-    writes this rank's output chunk (those stay in read_engine.py). ``pieces``: take a block's writes and its copy a piece at a time
-    (write_then_copy); not for a call in place, whose copy is none."""
+    writes this rank's output chunk (those stay in read_engine.py). ``pieces``: take a block's
+    writes and its copy a piece at a time (write_then_copy); not for a call in place, whose copy is
+    none."""
     rows, peers, steps, i = [], [], sched.steps, 0
     while i < len(steps):
         j = write_then_copy(steps, spans, i) if pieces else 0

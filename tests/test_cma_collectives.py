@@ -275,6 +275,37 @@ def _die_during(comm, method, root, collective, engine):
     _call(comm, root, collective)
 
 
+def _writes_fail_then_python_writes(comm):
+    """Rank 0's compiled step is given a bad address for its peer's output: every write fails
+    (EFAULT), so the step reduces in full and Python writes the chunk (read_engine._reduce). In
+    place too, where reducing a piece twice would double it."""
+    from ringcomm import fetch_reduce
+    run, bad = fetch_reduce.run, []
+
+    def bad_writes(*args):
+        if len(args) > 11 and comm.rank == 0:
+            bad.append(1)
+            args = (*args[:12], np.full_like(args[12], 64))   # page 0: not mapped in the peer
+        return run(*args)
+    fetch_reduce.run = bad_writes
+    right = []
+    for inplace in (False, True):
+        x = np.arange(1 << 19, dtype=np.float32) + comm.rank
+        out = x if inplace else np.empty_like(x)
+        comm.all_reduce(x, out=None if inplace else out)
+        right.append(bool((out == 2 * np.arange(1 << 19, dtype=np.float32) + 1).all()))
+    fetch_reduce.run = run
+    return right, len(bad)
+
+
+@pytest.mark.timeout(120)
+def test_writes_into_a_peer_that_fail_in_compiled_code_are_made_by_python():
+    with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=30) as w:
+        results = w.run(_writes_fail_then_python_writes, timeout=60)
+    assert [r[0] for r in results] == [[True, True]] * 2, results
+    assert results[0][1] == 2 and results[1][1] == 0, results
+
+
 def _gone(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -100,7 +100,8 @@ def test_each_built_piece_is_written_into_every_push_target(build, own_j):
     addrs = np.array([0 if j == own_j else ops[j].ctypes.data for j in range(3)], np.int64)
     into = next(j for j in range(3) if j != own_j) if build == "INTO_OUT" else -1
     push_addrs = np.array([t.ctypes.data + shift * 4 for t in targets], np.int64)
-    failed = fetch_reduce.run(out, ops[own_j] if own_j >= 0 else None, own_j, pids, addrs, np.zeros((4, PIECE), np.int32),
+    own = ops[own_j] if own_j >= 0 else None
+    failed = fetch_reduce.run(out, own, own_j, pids, addrs, np.zeros((4, PIECE), np.int32),
                               PIECE, "sum", into, getattr(fetch_reduce, build), np.empty(4, np.int64),
                               np.full(2, os.getpid(), np.int64), push_addrs)
     assert failed == -1
@@ -110,16 +111,18 @@ def test_each_built_piece_is_written_into_every_push_target(build, own_j):
         assert not t[:shift].any() and not t[shift + size:].any()   # nothing outside the span
 
 
-def test_a_write_that_fails_hands_back_its_piece_with_the_pieces_before_it_written():
+def test_a_write_that_fails_stops_the_writes_not_the_reduction():
+    # in place a piece cannot be reduced twice: the step goes on reducing, and says where its
+    # writes stopped (-2 - that piece's offset), with the pieces before it written
     with _one_good_piece(0, mmap.PROT_READ) as (mem, piece):   # one writable piece, then none
         own = np.full(3 * PIECE, 1, np.float32)
         peer = np.full(3 * PIECE, 2, np.float32)
-        out = np.zeros(3 * PIECE, np.float32)
         pids = np.array([0, os.getpid()], np.int64)
         addrs = np.array([0, peer.ctypes.data], np.int64)
-        failed = fetch_reduce.run(out, own, 0, pids, addrs, np.zeros((3, PIECE), np.float32), PIECE, "sum", 1,
+        failed = fetch_reduce.run(own, own, 0, pids, addrs, np.zeros((3, PIECE), np.float32), PIECE, "sum", -1,
                                   fetch_reduce.INTO_OUT, np.empty(4, np.int64), np.array([os.getpid()], np.int64),
                                   np.array([piece], np.int64))
         written = mem[mmap.PAGESIZE // 4 - PIECE:mmap.PAGESIZE // 4].copy()
-    assert failed == PIECE
+    assert failed == -2 - PIECE
+    assert (own == 3).all()   # every piece reduced once
     assert (written == 3).all()
