@@ -59,7 +59,7 @@ STREAM_OUT_MIN_BYTES = stream_copy.STREAM_MIN_BYTES
 # (the step's output is half the row): 2 MiB 233, 251 against 256, 261 us; 4 MiB 413, 423 against
 # 449, 468; 8 MiB 751, 764 against 797, 807; 1 MiB and 512 KiB level. Alone in one process
 # (docs/06 "Reductions from fetched pieces"), streaming beats fetching into the output from 1 MiB
-# (146 against 171 us) and ties at 512 KiB.
+# (169 against 180 us) and ties at 512 KiB.
 STREAM_FINAL_OUT_MIN_BYTES = 1024 * 1024
 
 
