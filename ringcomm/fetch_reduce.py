@@ -61,7 +61,7 @@ def loop(dtype):
                 globals()["_reduce_into"] = reduce_into
                 globals()["_carray"] = numba.carray
                 jit = numba.njit(nogil=True)
-                for name in ("_fetch", "_stream_bytes", "_operand"):
+                for name in ("_transfer", "_stream_bytes", "_operand"):
                     globals()[name] = jit(globals()[name])
                 _jitted = numba.njit(nogil=True, cache=True)(_step)   # a version per storage dtype
     return _jitted
@@ -96,7 +96,7 @@ def run(out: np.ndarray, own, own_j: int, pids: np.ndarray, addrs: np.ndarray, s
 _reduce_into = _carray = None   # set by loop()
 
 
-_fetch = native_sync.transfer               # compiled by loop(), with the next two
+_transfer = native_sync.transfer           # compiled by loop(), with the next two
 _stream_bytes = native_sync.stream_bytes
 
 
@@ -125,7 +125,7 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
             if j == own_j:
                 continue
             dst = out_addr + a * item if j == into else scratch_addr + (j * row) * item
-            if not _fetch(readv, pids[j], dst, addrs[j] + a * item, k * item, iov):
+            if not _transfer(readv, pids[j], dst, addrs[j] + a * item, k * item, iov):
                 if build == STREAM:
                     native_sync.stream_fence()   # the pieces streamed so far, before Python's stores
                 return a
@@ -137,7 +137,7 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
         built = out_addr + a * item if build == INTO_OUT else scratch_addr + (m * row) * item
         if unwritten < 0:   # to the peers (if any) while the piece is in cache
             for t in range(push_pids.size):
-                if not _fetch(writev, push_pids[t], built, push_addrs[t] + a * item, k * item, iov):
+                if not _transfer(writev, push_pids[t], built, push_addrs[t] + a * item, k * item, iov):
                     unwritten = a   # no more writes; the reduction goes on (in place it cannot be redone)
                     break
         if build != INTO_OUT:   # the piece built in scratch row m goes out

@@ -217,7 +217,7 @@ def stream_bytes(dst, src, nbytes, memmove):
     of dst with non-temporal stores (stream_line), the bytes before the first and after the last
     by ``memmove`` (libc's, by address). The caller fences (stream_fence) before any store that
     tells a peer the bytes are there. Plain Python, compiled by its callers (read_native.kernel,
-    fetch_reduce.loop); stream_copy._copy_streaming is the same over arrays."""
+    fetch_reduce.loop, stream_copy.kernel)."""
     head = min(nbytes, (-dst) & 63)
     call_c(memmove, dst, src, head, 0, 0, 0)
     lines = (nbytes - head) // 64

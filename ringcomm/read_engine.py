@@ -388,14 +388,12 @@ class ReadEngine:
         scratch = self._scratch(out.dtype, (len(srcs) + 1) * piece, "fetch")[:(len(srcs) + 1) * piece]
         if self.iov is None:
             self.iov = np.empty(4, np.int64)
+        push_pids, push_addrs = ((np.array([t.pid for t in push], np.int64), np.array([t.addr for t in push], np.int64))
+                                 if push else (fetch_reduce.NO_PUSH, fetch_reduce.NO_PUSH))
         ex._waiting = (srcs[remote[0]].peer, "read", 0, time.monotonic())
         try:
-            if push:
-                return fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
-                                        call.op, into, build, self.iov, np.array([t.pid for t in push], np.int64),
-                                        np.array([t.addr for t in push], np.int64))
             return fetch_reduce.run(out, own, own_j, pids, addrs, scratch.reshape(len(srcs) + 1, piece), piece,
-                                    call.op, into, build, self.iov)
+                                    call.op, into, build, self.iov, push_pids, push_addrs)
         finally:
             ex._waiting = None
 

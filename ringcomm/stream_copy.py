@@ -15,9 +15,9 @@ into, a peer's registered buffer; and by its own loop, a reducing step's big out
 (fetch_reduce.STREAM, from read_engine.STREAM_OUT_MIN_BYTES, or STREAM_FINAL_OUT_MIN_BYTES where no
 step reads an output back), where enabled() says so. Below STREAM_MIN_BYTES memcpy wins: the
 buffers then stay in L2/L3, where an ordinary copy runs at ~45 GB/s and the next reader finds the
-data in cache. The FIFO slots keep ordinary stores (or
-their own streaming), and so do reductions' outputs built by numpy (registered buffers): streamed
-by a second pass, they measured slower (docs/06).
+data in cache. The FIFO slots keep ordinary stores (or their own streaming), and so do
+reductions' outputs built by numpy (registered buffers): streamed by a second pass, they measured
+slower (docs/06).
 
 x86-64 only (measured there); elsewhere, or for overlapping or non-contiguous arrays, numpy
 copies. RINGCOMM_STREAM_COPY=0 turns it off.
@@ -55,8 +55,9 @@ def copy(out: np.ndarray, src: np.ndarray, whole: int = 0) -> None:
 
 
 def kernel():
-    """The compiled copy (numba, cached on disk: the first process on a machine compiles it,
-    ~0.4 s), or False where streaming is off; RINGCOMM_STREAM_COPY is read at the first large copy."""
+    """The compiled copy ``(dst, src)`` of two uint8 views (numba, cached on disk: the first process
+    on a machine compiles it, ~0.4 s), or False where streaming is off; RINGCOMM_STREAM_COPY is
+    read at the first large copy."""
     global _kernel
     if _kernel is not None:
         return _kernel
@@ -66,23 +67,20 @@ def kernel():
         elif _kernel is None:
             import numba
             native_sync.intrinsics()
-            native_sync.drop_stale_cache(__file__, "_copy_streaming")
-            _kernel = numba.njit(nogil=True, cache=True, boundscheck=False)(_copy_streaming)
+            native_sync.drop_stale_cache(__file__, "_copy_streaming", deps=(native_sync.__file__,))
+            globals()["_stream_bytes"] = numba.njit(nogil=True)(native_sync.stream_bytes)
+            compiled, memmove = numba.njit(nogil=True, cache=True)(_copy_streaming), native_sync.libc_address("memmove")
+            _kernel = lambda dst, src: compiled(dst, src, memmove)   # noqa: E731 - libc's memmove, by address
     return _kernel
 
 
-def _copy_streaming(dst, src):
-    """dst = src (uint8 views): ordinary stores up to dst's first 64-byte boundary, then whole lines
-    with non-temporal stores, the last partial line ordinarily; a fence, so the streamed lines are
-    in place before any later store (a flag a peer reads) becomes visible."""
-    n = dst.size
-    head = min(n, (-dst.ctypes.data) & 63)
-    for i in range(head):
-        dst[i] = src[i]
-    d, s = dst.ctypes.data + head, src.ctypes.data + head
-    lines = (n - head) // 64
-    for i in range(lines):
-        native_sync.stream_line(d + 64 * i, s + 64 * i)
-    for i in range(head + 64 * lines, n):
-        dst[i] = src[i]
+_stream_bytes = native_sync.stream_bytes   # compiled by kernel()
+
+
+def _copy_streaming(dst, src, memmove):
+    """dst = src (uint8 views): native_sync.stream_bytes (memmove up to dst's first 64-byte
+    boundary, whole lines with non-temporal stores, memmove for the last partial line), then a
+    fence, so the streamed lines are in place before any later store (a flag a peer reads)
+    becomes visible."""
+    _stream_bytes(dst.ctypes.data, src.ctypes.data, dst.size, memmove)
     native_sync.stream_fence()
