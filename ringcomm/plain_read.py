@@ -60,7 +60,7 @@ REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a c
 # alternating with MPICH, two runs each way, CMA against FIFOs: broadcast 32 KiB 5.1-5.2 us
 # against 5.0-6.6, 64 KiB 5.6-6.1 against 6.8-7.1, 128 KiB 6.9-7.2 against 11.3-12.0; all_gather
 # 16 KiB 5.0-6.3 against 5.0-5.2, 32 KiB 5.3-5.6 against 6.2-6.3, 64 KiB 6.5-6.6 against 8.2-8.6).
-CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 2 << 20, "reduce_scatter": 2 << 20}
+CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 2 << 20, "reduce_scatter": 8 << 20}
 # With more ranks than cores: this much per rank a core holds (rounded up), copies only. It was
 # 512 KiB while a stacked rank's every wait went back to Python (a CMA call waits for all its
 # peers); once the compiled waits yield the core themselves (engine_native._wait, read_native.
@@ -76,6 +76,14 @@ CMA_MIN_STACKED_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10}
 # (1041) against 1697 (1564), 64 MiB 8661 (6770) against 10125 (10328). Before the first fetched
 # operand went straight into the output (read_engine._reduce), out of place lost again
 # from 32 MiB (reduce_scatter 32 MiB 4591 against 3823).
+# reduce_scatter then moved to 8 MiB: on the Intel VM of 2026-12-03 (session 25; memcpy 6.2-7.0
+# GB/s, slower than the sessions above) the FIFOs won at 2 and 4 MiB in every round, 30-call rows
+# alternating with MPICH, three runs, RINGCOMM_CMA_MIN=64M against the default, out of place (us):
+# 2 MiB 221-261 against 274-373, 4 MiB 422-494 against 483-573, 8 MiB level (900-929 against
+# 735-918), 16 MiB 1818-2125 against 1404-1652. Why is not traced; not huge pages, which a
+# reduce_scatter's input lacks below 4 MiB: one process fetching by CMA the same 1 MiB in 256 KiB
+# pieces, out of a 2 MiB array (4 KiB pages) took 71 us, out of a 16 MiB one (14 MiB of huge pages)
+# 101. all_reduce kept 2 MiB: level at 2 MiB, CMA ahead from 4 (670-674 against 764).
 
 
 # The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the
