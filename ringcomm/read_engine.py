@@ -82,13 +82,35 @@ class _Plan:
     (fetch_reduce.STREAM): sooner where no step reads an output back (a write_out_copy that goes
     with its reducing step's pieces does not: _push)."""
 
-    __slots__ = ("sched", "reduces", "spans", "native", "in_place", "stream_out_min")
+    __slots__ = ("sched", "reduces", "spans", "native", "in_place", "stream_out_min", "fetch")
 
     def __init__(self, sched, m: int, in_place: bool):
         self.sched, self.reduces = sched, any(step.reduces for step in sched.steps)
         self.spans, self.native, self.in_place = step_spans(sched, m), False, in_place
+        self.fetch: dict = {}   # step index -> _FetchStep, made at its first compiled call
         reread = any(step.reads == "out" or step.kind == "write_out_copy" for step in sched.steps)
         self.stream_out_min = STREAM_OUT_MIN_BYTES if reread else STREAM_FINAL_OUT_MIN_BYTES
+
+
+class _FetchStep:
+    """A reducing step as the compiled path runs it (ReadEngine._fetch_step), worked out once: which
+    operand is this rank's input (``own_j``; -1: none), the others as (operand, rank), whether the
+    write_out_copy after it goes with it (``paired``: read_native.pushes) and into which ranks
+    (``push``), the arrays fetch_reduce.run takes, whose entries each call fills in from the
+    peers' descriptors, and its scratch rows for the dtype of the last call."""
+
+    __slots__ = ("own_j", "remote", "paired", "push", "pids", "addrs", "push_pids", "push_addrs", "dtype",
+                 "scratch")
+
+    def __init__(self, steps, spans, i: int, me: int):
+        ranks = steps[i].remote
+        self.own_j = ranks.index(me) if me in ranks else -1
+        self.remote = [(j, q) for j, q in enumerate(ranks) if q != me]
+        self.paired = read_native.pushes(steps, spans, i)
+        self.push = tuple(steps[i + 1].remote) if self.paired else ()
+        self.pids, self.addrs = np.zeros(len(ranks), np.int64), np.zeros(len(ranks), np.int64)
+        self.push_pids, self.push_addrs = np.zeros(len(self.push), np.int64), np.zeros(len(self.push), np.int64)
+        self.dtype = self.scratch = None   # the last call's dtype, and its scratch rows (None: not compiled)
 
 
 class ReadLane:
@@ -111,9 +133,10 @@ class ReadLane:
             return
         e.calls += 1
         self.args[read_native.A_CALLS] = e.calls
-        if e.run_call(self.args) != read_native.DONE:
-            ain, aout = call.addrs
-            e.go_on(self.ex, sched, call, self.plan, ain, aout, *e._handed_back())
+        ain, aout = call.addrs
+        went = e._drive(self.ex, sched, call, self.plan, ain, aout, self.args)
+        if went is not None:
+            e.go_on(self.ex, sched, call, self.plan, ain, aout, *went)
 
 
 def _never_entered(e, registered: bool):
@@ -140,7 +163,7 @@ class ReadEngine:
         self.peer_words = None               # the peers' control words' addresses (read_native)...
         # ...and the rest it needs (constants, scratch, the compiled call and its argument block,
         # read_native.arguments), made at first use
-        self.consts = self.iov = self.res = self.run_call = self.args = None
+        self.consts = self.iov = self.res = self.run_call = self.args = self.peer_ctl = None
         self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
 
     def run(self, ex, sched, call) -> None:
@@ -159,7 +182,7 @@ class ReadEngine:
         plan = self._plan(sched, call, ain, aout)
         compiled = self._compiled(ex, plan, call)
         if compiled is not None:   # the whole call in compiled code, or up to where Python goes on
-            start, arrived = self._run_compiled(ex, compiled, ain, aout, call)
+            start, arrived = self._run_compiled(ex, compiled, ain, aout, call, sched, plan)
             if start is None:
                 return
         else:
@@ -195,8 +218,9 @@ class ReadEngine:
 
     def _compiled(self, ex, plan: _Plan, call):
         """read_native's plan for this call, where the compiled path applies: the native engine, plain
-        buffers read by CMA (no allocation of this rank's is registered), a schedule that only
-        copies (its large local copies stream past the caches there too: read_native._copy)."""
+        buffers read by CMA (no allocation of this rank's is registered), a schedule whose steps
+        copy (its large local copies stream past the caches there too: read_native._copy) or reduce
+        what they read from inputs (each such step handed to _fetch_step)."""
         reg = self.reg
         if ex.native is None or not reg.cma or reg.mine:
             return None
@@ -205,13 +229,14 @@ class ReadEngine:
             plan.native = None if made is None else read_native.Prepared(*made)
         return plan.native
 
-    def _run_compiled(self, ex, prepared, ain: int, aout: int, call):
-        """Run the call in read_native's compiled function: (None, None) when it finished, else the
-        step (and whether its sync arrivals are published) from which Python goes on."""
+    def _run_compiled(self, ex, prepared, ain: int, aout: int, call, sched, plan: _Plan):
+        """Run the call in read_native's compiled function (_drive): (None, None) when it finished,
+        else the step (and whether its sync arrivals are published) from which Python goes on."""
         reg = self.reg
         if self.peer_words is None:
             self.peer_words = np.array([0 if p == reg.rank else reg.peers[p, "ctl"].base for p in range(reg.n)],
                                        np.int64)
+            self.peer_ctl = [None if p == reg.rank else reg.peers[p, "ctl"].words for p in range(reg.n)]
             budget = int(min(ex._spin_s, read_native.SPIN_S) * native_sync.cycles_per_second())
             self.consts = read_native.constants(reg.n, reg.rank, budget, Backoff.compiled_yields(ex._spin_s > 0))
             self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
@@ -221,9 +246,85 @@ class ReadEngine:
         a = self.args
         a[read_native.A_ROWS:read_native.A_NOUT + 1] = read_native.call_words(
             prepared, self.calls, ain, aout, call.inp.nbytes, call.out.nbytes)
-        if self.run_call(a) == read_native.DONE:
-            return None, None
-        return self._handed_back()
+        went = self._drive(ex, sched, call, plan, ain, aout, a)
+        return (None, None) if went is None else went
+
+    def _drive(self, ex, sched, call, plan: _Plan, ain: int, aout: int, a: np.ndarray):
+        """The compiled call over argument block ``a`` (filled for a call from its start), with each
+        reducing step it stops at (read_native.REDUCE) run here by _fetch_step and the compiled
+        call resumed after it: None when the call finished, else (step, whether its sync arrivals
+        are published) from which Python's steps go on."""
+        got = self.run_call(a)
+        try:
+            while got == read_native.REDUCE:
+                nxt = self._fetch_step(ex, sched, call, plan, ain, aout, int(self.res[0]))
+                if nxt is None:   # Python's steps took the rest of the call
+                    return None
+                a[read_native.A_START], a[read_native.A_ARRIVED] = nxt, 0
+                got = self.run_call(a)
+        finally:
+            a[read_native.A_START] = -1   # (a lane's block serves its next call from the start)
+        return None if got == read_native.DONE else self._handed_back()
+
+    def _fetch_step(self, ex, sched, call, plan: _Plan, ain: int, aout: int, i: int):
+        """Reducing step i, where the compiled call stopped (every peer it reads, or writes into,
+        has entered the call with plain buffers of this call's sizes): fetch_reduce's loop, as
+        _reduce would run it (the same build, the same write of each piece into the peers with the
+        write_out_copy that follows: _push), without the views and Remotes, whose Python cost
+        ~50 us a call. The step to go on from in compiled code; None where Python's steps took the
+        rest of the call (a dtype the compiled loop does not take)."""
+        steps, (io, k, oo) = sched.steps, plan.spans[i]
+        fs = plan.fetch.get(i)
+        if fs is None:
+            fs = plan.fetch[i] = _FetchStep(steps, plan.spans, i, self.reg.rank)
+        dtype, size = call.out.dtype, call.out.itemsize
+        if fs.dtype is not dtype:   # the scratch rows, and whether the compiled loop takes the type
+            m, piece = len(fs.pids), max(1, FETCH_PIECE_BYTES // size)
+            rows = self._scratch(dtype, (m + 1) * piece, "fetch")[:(m + 1) * piece].reshape(m + 1, piece)
+            fs.dtype, fs.scratch = dtype, (rows if fetch_reduce.loop(dtype) is not None else None)
+        if fs.scratch is None:
+            self.go_on(ex, sched, call, plan, ain, aout, i, False)
+            return None
+        ex._step = i
+        out = call.out[oo:oo + k]
+        own = None if fs.own_j < 0 else call.inp[io:io + k]
+        push = fs.push if call.op != "avg" else ()   # (AVG divides after the whole step: then the write)
+        for j, q in fs.remote:   # the peers' buffers, from their descriptors (plain, as read_native checked)
+            words = self.peer_ctl[q]
+            fs.pids[j], fs.addrs[j] = words[PID], words[DESC + 1] + io * size
+        for t, q in enumerate(push):
+            words = self.peer_ctl[q]
+            fs.push_pids[t], fs.push_addrs[t] = words[PID], words[DESC + 3] + oo * size
+        here, mine, nbytes = aout + oo * size, ain + io * size, k * size
+        overlaps = own is not None and here < mine + nbytes and mine < here + nbytes
+        via_scratch = fs.own_j >= 2 and overlaps   # as _step: the first operation would overwrite it
+        into = fs.remote[0][0] if not overlaps else -1
+        build = fetch_reduce.SCRATCH if via_scratch else fetch_reduce.INTO_OUT
+        stream_min = STREAM_FINAL_OUT_MIN_BYTES if push else plan.stream_out_min
+        if into >= 0 and nbytes >= stream_min and stream_copy.enabled():
+            into, build = -1, fetch_reduce.STREAM
+        ex._waiting = (fs.remote[0][1], "read", 0, time.monotonic())
+        try:
+            failed = fetch_reduce.run(out, own, fs.own_j, fs.pids, fs.addrs, fs.scratch, fs.scratch.shape[1],
+                                      call.op, into, build, self.iov, fs.push_pids if push else fetch_reduce.NO_PUSH,
+                                      fs.push_addrs if push else fetch_reduce.NO_PUSH)
+        finally:
+            ex._waiting = None
+        views: dict = {}
+        if failed != -1:   # a read or a write failed: Python's loop goes on with Remotes (and says why)
+            srcs = [own if j == fs.own_j else self._view(ex, call, q, "in", views)[io:io + k]
+                    for j, q in enumerate(steps[i].remote)]
+            targets = [self._view(ex, call, q, "out", views, "write into")[oo:oo + k] for q in push]
+            with np.errstate(all="ignore"):
+                self._after_compiled(ex, call, out, srcs, kernels.elementwise(call.op, dtype), via_scratch,
+                                     targets or None, failed)
+        if steps[i].final and call.op == "avg":   # (host.postprocess: AVG only)
+            with np.errstate(all="ignore"):
+                kernels.postprocess(out, call.op, self.reg.n)
+        if fs.paired and not push:   # AVG's write_out_copy, after the division
+            ex._step = i + 1
+            self._step(ex, call, steps[i + 1], None, views, ain, aout, *plan.spans[i + 1], plan.stream_out_min)
+        return i + 2 if fs.paired else i + 1
 
     def _handed_back(self) -> tuple[int, bool]:
         """Where Python goes on from a compiled call that did not finish: the step, and whether its
@@ -360,15 +461,24 @@ class ReadEngine:
                 and fetch_reduce.loop(out.dtype) is not None
                 and all(isinstance(t, Remote) for t in push or ())):
             failed = self._reduce_compiled(ex, call, out, srcs, remote, via_scratch, stream_out_min, push)
-            if failed == -1:
-                return bool(push)
-            if failed < -1:   # reduced in full; the writes stopped at a piece: write the rest here
-                w = -2 - failed
-                for t in push:
-                    self._cma(ex, call, t[w:], out[w:], writing=True)
-                return True
-            out, srcs = out[failed:], [s[failed:] for s in srcs]
-            push = push and [t[failed:] for t in push]
+            return self._after_compiled(ex, call, out, srcs, fn, via_scratch, push, failed)
+        self._reduce_pieces(ex, call, out, srcs, fn, via_scratch, push)
+        return bool(push)
+
+    def _after_compiled(self, ex, call, out, srcs, fn, via_scratch: bool, push, failed: int) -> bool:
+        """After fetch_reduce.run returned ``failed``: nothing left (-1); the writes into ``push``
+        that stopped at a piece (-2 - its offset: the reduction is whole), made here by CMA; or
+        the piece whose read failed, from which Python's loop reduces (its reads say why they
+        fail). True where the chunk went to ``push``."""
+        if failed == -1:
+            return bool(push)
+        if failed < -1:
+            w = -2 - failed
+            for t in push:
+                self._cma(ex, call, t[w:], out[w:], writing=True)
+            return True
+        out, srcs = out[failed:], [s[failed:] for s in srcs]
+        push = push and [t[failed:] for t in push]
         self._reduce_pieces(ex, call, out, srcs, fn, via_scratch, push)
         return bool(push)
 

@@ -36,7 +36,11 @@ from ringcomm.transport.futex import FUTEX_WAKE, SYS_FUTEX
 from . import ctl_layout, native_sync, stream_copy
 from .ctl_layout import CALLS, DESC, PID, SYNC
 
-DONE, WAIT, HAND_BACK = 0, 1, 2   # what the compiled call returns; res = (step, arrived) for the last two
+# What the compiled call returns; res = (step, arrived) for the last three. REDUCE: it stands at
+# a reducing step whose peers have all entered the call with plain buffers of this call's sizes;
+# Python runs that step (read_engine.ReadEngine._fetch_step: fetch_reduce's compiled loop) and
+# calls again from the step after it.
+DONE, WAIT, HAND_BACK, REDUCE = 0, 1, 2, 3
 # The compiled call's one argument, an int64 block (arguments(), _enter()): a numba entry point
 # unboxes every argument it is given, and _run_call's fifteen (eight arrays) cost 0.54 us a call
 # where one array costs 0.09 (Intel VM; docs/06 "The copy-only read calls, compiled"). The block
@@ -45,11 +49,12 @@ DONE, WAIT, HAND_BACK = 0, 1, 2   # what the compiled call returns; res = (step,
 A_ROWS, A_NROWS, A_SPEERS, A_NSPEERS, A_START, A_ARRIVED, A_CALLS, A_AIN, A_AOUT, A_NIN, A_NOUT, \
     A_WORDS, A_NWORDS, A_PEERS, A_SYNCS, A_CONSTS, A_IOV, A_RES = range(18)
 ARGS = 18
-COPY, READ, WRITE, SYNC_STEP = 0, 1, 2, 3
+COPY, READ, WRITE, SYNC_STEP, REDUCE_STEP = 0, 1, 2, 3, 4
 # A plan row: the schedule's step index, the kind, the peer, which buffer of the peer (0 its
 # input, 1 its output), the byte offset there (or in this rank's input for copy and write), the
-# byte offset here (this rank's output; its input for a write), the bytes, and a sync step's
-# peers as (start, count) in the plan's peer list.
+# byte offset here (this rank's output; its input for a write), the bytes, and a sync or reducing
+# step's peers as (start, count) in the plan's peer list. A reducing step's row (REDUCE_STEP) has
+# WHICH 1 where the write_out_copy after it (of the same chunk) goes with it: it has no row.
 STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
 READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET, STREAM_MIN = \
@@ -96,9 +101,11 @@ _kernel = None
 
 
 def plan(sched, spans, size: int, me: int, pieces: bool = True):
-    """The rows of a copy-only read schedule, from its steps' element spans (read_engine.step_spans:
-    input offset, length, output offset) and the element size; None where a step reduces or
-    writes this rank's output chunk (those stay in read_engine.py). ``pieces``: take a block's
+    """The rows of a read schedule, from its steps' element spans (read_engine.step_spans: input
+    offset, length, output offset) and the element size. A reducing step is a REDUCE_STEP row that
+    waits for its peers and hands the step to Python (with the write_out_copy of its chunk that
+    follows it, where one does); None where a step reduces what it reads from outputs, or writes
+    this rank's output chunk elsewhere (those stay in read_engine.py). ``pieces``: take a block's
     writes and its copy a piece at a time (write_then_copy); not for a call in place, whose copy is
     none."""
     rows, peers, steps, i = [], [], sched.steps, 0
@@ -108,11 +115,27 @@ def plan(sched, spans, size: int, me: int, pieces: bool = True):
             rows.extend(_pieces(steps, spans, i, j, size))
             i = j + 1
             continue
+        if steps[i].reduces and steps[i].reads != "out":
+            pushed = pushes(steps, spans, i)
+            both = set(steps[i].remote) | (set(steps[i + 1].remote) if pushed else set())
+            others = sorted(both - {me})
+            peers.extend(others)
+            rows.append((i, REDUCE_STEP, -1, int(pushed), 0, 0, 0, len(peers) - len(others), len(others)))
+            i += 2 if pushed else 1
+            continue
         if steps[i].reduces or steps[i].kind == "write_out_copy":   # (a row's HERE is its input, for a write)
             return None
         rows.extend(_step_rows(steps[i], i, spans[i], size, me, peers))
         i += 1
     return np.array(rows, np.int64).reshape(-1, ROW), np.array(peers or [0], np.int64)
+
+
+def pushes(steps, spans, i: int) -> bool:
+    """Whether reducing step i is followed by a write_out_copy of its chunk (all_reduce's read
+    schedule): the two go together, each piece sent to the peers as it is built
+    (read_engine.ReadEngine._push)."""
+    return (i + 1 < len(steps) and steps[i + 1].kind == "write_out_copy"
+            and tuple(spans[i + 1][1:]) == tuple(spans[i][1:]))
 
 
 def _step_rows(step, i: int, span, size: int, me: int, peers: list) -> list:
@@ -298,8 +321,8 @@ def _enter(a):
 
 
 def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, consts, iov, res):
-    """One copy-only call from step ``start`` (-1: publish the descriptor first); DONE, or WAIT /
-    HAND_BACK with res = (the step to go on from, whether its sync arrivals are published).
+    """One call from step ``start`` (-1: publish the descriptor first); DONE, or WAIT / HAND_BACK /
+    REDUCE with res = (the step to go on from, whether its sync arrivals are published).
     ``consts``: constants()."""
     base = words.ctypes.data
     n, me = consts[NRANKS], consts[ME]
@@ -333,6 +356,16 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                 p = speers[j]
                 if not _wait_at_least(peers[p] + 8 * (SYNC + me), syncs[p], consts):
                     return WAIT
+        elif kind == REDUCE_STEP:   # every peer in, both its buffers plain and of this call's sizes
+            for j in range(rows[r, SPEERS], rows[r, SPEERS] + rows[r, NSPEERS]):
+                there = peers[speers[j]]
+                if not _wait_at_least(there + 8 * CALLS, calls, consts):
+                    return WAIT
+                for which in range(2):
+                    if (native_sync.load_acquire(there + 8 * (DESC + 2 * which)) != -1
+                            or native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]):
+                        return HAND_BACK
+            return REDUCE
         else:
             q, which = rows[r, PEER], rows[r, WHICH]
             there = peers[q]

@@ -212,6 +212,67 @@ def test_a_known_call_whose_peer_is_late_hands_back_from_its_lane():
     assert results[0][1] >= 1, results   # rank 0 waited in compiled code, then in Python
 
 
+def _reductions_in_compiled_calls(comm):
+    """Reducing calls by CMA on the native engine: the compiled call waits for the peers and stops
+    at the reducing step, which fetch_reduce runs (ReadEngine._fetch_step), and goes on to the sync
+    (a rank whose compiled wait outlasts its budget goes on in Python instead: the rank that enters
+    second never waits for the other to enter). Then a peer 0.2 s late (the compiled wait hands
+    over to Python's), a dtype the compiled loop is made not to take (Python's steps take the rest
+    of the call), and sizes that differ between the ranks (an error on both, no hang)."""
+    from ringcomm import fetch_reduce, read_engine
+    real, steps, runs = read_engine.ReadEngine._fetch_step, [], []
+    run = fetch_reduce.run
+    fetch_reduce.run = lambda *args: runs.append(1) or run(*args)
+
+    def counted(self, ex, sched, call, plan, ain, aout, i):
+        steps.append(sched.collective)
+        return real(self, ex, sched, call, plan, ain, aout, i)
+    read_engine.ReadEngine._fetch_step = counted
+    r, n = comm.rank, comm.world_size
+    x, out = np.arange(3000, dtype=np.float32) + r, np.empty(3000, np.float32)
+    part = np.empty(3000 // n, np.float32)
+    want = n * np.arange(3000, dtype=np.float32) + n * (n - 1) / 2
+    right = []
+    for _ in range(4):
+        comm.all_reduce(x, out=out)
+        comm.reduce_scatter(x, part)
+        right.append(bool((out == want).all() and (part == want[r * part.size:(r + 1) * part.size]).all()))
+    eng, known = comm._registry.engine, list(steps)
+    before = eng.handed_back
+    if r == 1:   # arrives late (not a synchronisation: the results are right either way)
+        time.sleep(0.2)
+    comm.all_reduce(x, out=out)
+    right.append(bool((out == want).all()))
+    late = eng.handed_back - before
+    loop, ran, compiled = fetch_reduce.loop, len(steps), len(runs)
+    fetch_reduce.loop = lambda dtype: None if dtype == np.int32 else loop(dtype)
+    xi = np.arange(3000, dtype=np.int32) * (r + 1)
+    comm.all_reduce(xi)
+    right.append(bool((xi == np.arange(3000) * n * (n + 1) // 2).all()) and len(runs) == compiled)
+    fetch_reduce.loop, fetch_reduce.run = loop, run
+    read_engine.ReadEngine._fetch_step = real
+    try:
+        comm.all_reduce(np.zeros(1000 + r, np.float32))
+        mismatch = "no error"
+    except ringcomm.RingcommError as e:
+        mismatch = str(e)
+    return right, known, late, steps[ran:], mismatch
+
+
+@pytest.mark.timeout(120)
+def test_reducing_calls_by_cma_run_compiled_up_to_their_reducing_step():
+    with World(2, {"RINGCOMM_CMA_MIN": "1"}, timeout=30) as w:
+        results = w.run(_reductions_in_compiled_calls, timeout=60)
+    for rank, (right, steps, late, int_steps, mismatch) in enumerate(results):
+        assert all(right), (rank, right)
+        assert int_steps in ([], ["all_reduce"]), int_steps   # stopped there, then went on in Python
+        assert "different sizes" in mismatch, f"rank {rank}: {mismatch}"
+    for coll in ("all_reduce", "reduce_scatter"):   # each call: at least on the rank that entered second
+        assert sum(steps.count(coll) for _, steps, *_ in results) >= 4, results
+    assert sum(len(r[3]) for r in results) >= 1, results
+    assert results[0][2] >= 1, results   # rank 0 waited in compiled code, then handed the wait to Python
+
+
 def _refuse(comm, how):
     if comm.rank == 1:
         if how == "eperm":  # what a Yama or container refusal returns, for this rank's probes

@@ -255,9 +255,9 @@ def test_known_calls_go_down_their_engines_lane(cma):
             assert counts["positions"] == seqs, (counts["positions"], seqs)
             assert all(freed), freed
             # the three counted rounds took the lanes
-            if cma:   # every call read the peer; the all_reduce reduces in Python: no lane (False)
-                assert lanes == ["ReadLane", "ReadLane", "bool"] and reads == 18, (lanes, reads)
-                assert counts["lane"] == 6, counts
+            if cma:   # every call read the peer, the all_reduce too (its reducing step: _fetch_step)
+                assert lanes == ["ReadLane"] * 3 and reads == 18, (lanes, reads)
+                assert counts["lane"] == 9, counts
             else:
                 assert lanes == ["Lane"] * 3 and reads == 0, (lanes, reads)
                 assert counts["lane"] == 9, counts
