@@ -60,7 +60,7 @@ REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a c
 # alternating with MPICH, two runs each way, CMA against FIFOs: broadcast 32 KiB 5.1-5.2 us
 # against 5.0-6.6, 64 KiB 5.6-6.1 against 6.8-7.1, 128 KiB 6.9-7.2 against 11.3-12.0; all_gather
 # 16 KiB 5.0-6.3 against 5.0-5.2, 32 KiB 5.3-5.6 against 6.2-6.3, 64 KiB 6.5-6.6 against 8.2-8.6).
-CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 2 << 20, "reduce_scatter": 8 << 20}
+CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 512 << 10, "reduce_scatter": 8 << 20}
 # With more ranks than cores: this much per rank a core holds (rounded up), copies only. It was
 # 512 KiB while a stacked rank's every wait went back to Python (a CMA call waits for all its
 # peers); once the compiled waits yield the core themselves (engine_native._wait, read_native.
@@ -84,6 +84,12 @@ CMA_MIN_STACKED_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10}
 # reduce_scatter's input lacks below 4 MiB: one process fetching by CMA the same 1 MiB in 256 KiB
 # pieces, out of a 2 MiB array (4 KiB pages) took 71 us, out of a 16 MiB one (14 MiB of huge pages)
 # 101. all_reduce kept 2 MiB: level at 2 MiB, CMA ahead from 4 (670-674 against 764).
+# Then reducing calls ran compiled up to their reducing step (read_engine._fetch_step: a 2-rank
+# 4 KiB all_reduce by CMA 67 us, then 18), and all_reduce moved to 512 KiB: same day, two rounds,
+# RINGCOMM_CMA_MIN=1 against the FIFOs (us): 256 KiB 42-44 against 39-42, 512 KiB 77 against 93-99,
+# 1 MiB 185-193 against 220-221, 2 MiB level (CMA both ways). reduce_scatter by CMA gained too
+# (2 MiB 277-293 us against 320-354, 8 MiB 821-837 against 896-906) but not past the FIFOs below
+# 8 MiB (2 MiB 221-261, 4 MiB 422-494 in the rounds above).
 
 
 # The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the

@@ -12,7 +12,8 @@ reads it. All ranks make the same registered calls in the same order, so call nu
 One call is one round over the whole buffer (no slicing: nothing is staged). Reductions run in
 cache-sized pieces, so the n - 1 passes over an output piece stay in L2. numpy, whichever engine
 the communicator runs: the executor sends read schedules here before the native engine sees them;
-on the native engine, calls that only copy plain buffers by CMA run compiled (read_native.py).
+on the native engine, calls on plain buffers by CMA run compiled (read_native.py), a reducing
+step's fetches and folds in fetch_reduce.py's loop (_fetch_step).
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The read engine's copy-only calls on plain buffers, compiled: one call into numba per collective.
+"""The read engine's calls on plain buffers, compiled: one call into numba per collective (two or more
+for a reduction).
 
 A 2-rank broadcast of 256 KiB by CMA reads 128 KiB (its root writes the other half); the system
 call takes ~5.5 us from compiled code, yet the whole call took ~18 us: the rest was Python, about
@@ -12,6 +13,12 @@ call in one compiled function over a plan of rows, one per copy, read, write or 
     read      out[oo:oo+k] = peer's in/out      (process_vm_readv, once the peer has entered)
     write     peer's out[oo:oo+k] = inp[io:io+k] (process_vm_writev)
     sync      arrive at each pair's count, then wait for the peers' (as ReadEngine._sync)
+
+A reducing call (all_reduce, reduce_scatter) runs here too, up to its reducing step: its row
+waits for the peers that step reads (and writes into: all_reduce's write_out_copy goes with it),
+checks that their buffers are plain and of this call's sizes, and returns REDUCE; Python runs the
+step in fetch_reduce's compiled loop (ReadEngine._fetch_step: ~50 us less a call than Python's
+steps) and calls again from the step after it.
 
 The protocol is read_engine.py's, word for word, so a compiled rank and a Python one (the
 reference engine, RINGCOMM_ENGINE=python) work together. What the compiled function does not do
