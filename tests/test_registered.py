@@ -592,12 +592,19 @@ def test_alloc_without_shared_memory_is_ordinary_memory(pair):
         assert total == 3.0 and "all share this host" in refused
 
 
-def _mixed(comm):
+def _mixed(comm, collective="all_reduce"):
     a = comm.alloc(READ_MIN_BYTES // 4, np.float32)  # every rank allocates (collective) ...
+    part = comm.alloc(a.size // comm.world_size, np.float32)
     a[:] = 1
-    buf = a if comm.rank == 0 else np.ones(a.size, np.float32)  # ... but rank 1 passes plain memory
+    plain = comm.rank != 0                           # ... but rank 1 passes plain memory
+    buf = np.ones(a.size, np.float32) if plain else a
+    out = np.empty(part.size, np.float32) if plain else part
     try:
-        comm.all_reduce(buf)
+        if collective == "all_reduce":
+            comm.all_reduce(buf)
+        else:
+            comm.reduce_scatter(buf, out)
+            buf = out
         return f"ran: {np.unique(buf).tolist()}"
     except ringcomm.RingcommError as e:
         return f"{type(e).__name__}: {e}"
@@ -615,13 +622,13 @@ def test_debug_check_names_a_rank_that_passes_plain_memory_its_peer_cannot_read(
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_passes_plain_memory_is_a_timeout_that_says_why():
-    # Default settings: a 1 MiB all_reduce runs the read steps on registered buffers, the FIFO ring on
-    # plain ones (the CMA reductions start at 2 MiB), so the two ranks run different algorithms. Each
+    # Default settings: a 1 MiB reduce_scatter runs the read steps on registered buffers, the FIFO ring
+    # on plain ones (its CMA reads start at 8 MiB), so the two ranks run different algorithms. Each
     # names the other within the timeout; the registered side says what most likely happened.
     with World(2, timeout=2) as w:
-        answers = w.run(_mixed, timeout=60)
+        answers = w.run(_mixed, "reduce_scatter", timeout=60)
     assert all(text.startswith("CollectiveTimeout") for text in answers), answers
-    assert "waiting for all_reduce #1 to start so as to read the registered buffer of rank 1" in answers[0]
+    assert "waiting for reduce_scatter #1 to start so as to read the registered buffer of rank 1" in answers[0]
     assert "if rank 1 passed plain memory to this call where this rank passed comm.alloc memory" in answers[0]
     assert "rank 1 (this process) timed out after 2 s" in answers[1] and "rank 0" in answers[1], answers[1]
 
