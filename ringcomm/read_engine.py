@@ -93,6 +93,20 @@ class _Plan:
         self.stream_out_min = STREAM_OUT_MIN_BYTES if reread else STREAM_FINAL_OUT_MIN_BYTES
 
 
+def _build(first_remote: int, overlaps: bool, via_scratch: bool, nbytes: int, stream_out_min: int):
+    """fetch_reduce's ``into`` and ``build`` for a step: the first remote operand fetched straight
+    into the output where the output overlaps no local operand, then reduced there (INTO_OUT), or
+    streamed out from ``stream_out_min`` bytes (STREAM); SCRATCH where this rank's input is a later
+    operand the output overlaps."""
+    if via_scratch:
+        return -1, fetch_reduce.SCRATCH
+    if overlaps:
+        return -1, fetch_reduce.INTO_OUT
+    if nbytes >= stream_out_min and stream_copy.enabled():
+        return -1, fetch_reduce.STREAM
+    return first_remote, fetch_reduce.INTO_OUT
+
+
 class _FetchStep:
     """A reducing step as the compiled path runs it (ReadEngine._fetch_step), worked out once: which
     operand is this rank's input (``own_j``; -1: none), the others as (operand, rank), whether the
@@ -299,11 +313,8 @@ class ReadEngine:
         here, mine, nbytes = aout + oo * size, ain + io * size, k * size
         overlaps = own is not None and here < mine + nbytes and mine < here + nbytes
         via_scratch = fs.own_j >= 2 and overlaps   # as _step: the first operation would overwrite it
-        into = fs.remote[0][0] if not overlaps else -1
-        build = fetch_reduce.SCRATCH if via_scratch else fetch_reduce.INTO_OUT
-        stream_min = STREAM_FINAL_OUT_MIN_BYTES if push else plan.stream_out_min
-        if into >= 0 and nbytes >= stream_min and stream_copy.enabled():
-            into, build = -1, fetch_reduce.STREAM
+        into, build = _build(fs.remote[0][0], overlaps, via_scratch, nbytes,
+                             STREAM_FINAL_OUT_MIN_BYTES if push else plan.stream_out_min)
         ex._waiting = (fs.remote[0][1], "read", 0, time.monotonic())
         try:
             failed = fetch_reduce.run(out, own, fs.own_j, fs.pids, fs.addrs, fs.scratch, fs.scratch.shape[1],
@@ -489,10 +500,8 @@ class ReadEngine:
         done, the piece where a read failed, or -2 - the piece where a write failed."""
         own_j = next((j for j, s in enumerate(srcs) if not isinstance(s, Remote)), -1)
         own = None if own_j < 0 else srcs[own_j]
-        into = remote[0] if not via_scratch and (own is None or not np.may_share_memory(out, own)) else -1
-        build = fetch_reduce.SCRATCH if via_scratch else fetch_reduce.INTO_OUT
-        if into >= 0 and out.nbytes >= stream_out_min and stream_copy.enabled():
-            into, build = -1, fetch_reduce.STREAM
+        overlaps = via_scratch or (own is not None and np.may_share_memory(out, own))
+        into, build = _build(remote[0], overlaps, via_scratch, out.nbytes, stream_out_min)
         piece = max(1, FETCH_PIECE_BYTES // out.itemsize)
         pids = np.array([0 if j == own_j else s.pid for j, s in enumerate(srcs)], np.int64)
         addrs = np.array([0 if j == own_j else s.addr for j, s in enumerate(srcs)], np.int64)
