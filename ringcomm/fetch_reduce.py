@@ -38,11 +38,13 @@ import numpy as np
 
 from ringcomm.kernels import native as native_kernels
 
-from . import native_sync
+from . import ctl_layout, native_sync
+from .ctl_layout import DESC, PID
 
 INTO_OUT, SCRATCH, STREAM = range(3)   # how the output is built (``build``)
 _lock = threading.Lock()
 _jitted = None         # the compiled step (loop()), made once
+_entry = None          # the compiled step over an argument block (enter()), made with it
 
 
 def loop(dtype):
@@ -57,13 +59,17 @@ def loop(dtype):
                 import numba
                 native_sync.intrinsics()
                 native_sync.drop_stale_cache(__file__, "_step", deps=(native_kernels.__file__,))
+                # the block's reads of the peers' words inline ctl_layout's numbers
+                native_sync.drop_stale_cache(__file__, "_enter", deps=(native_kernels.__file__, ctl_layout.__file__))
                 reduce_into, _ = native_kernels.compiled()
                 globals()["_reduce_into"] = reduce_into
                 globals()["_carray"] = numba.carray
                 jit = numba.njit(nogil=True)
                 for name in ("_transfer", "_stream_bytes", "_operand"):
                     globals()[name] = jit(globals()[name])
-                _jitted = numba.njit(nogil=True, cache=True)(_step)   # a version per storage dtype
+                globals()["_step_jit"] = step = numba.njit(nogil=True, cache=True)(_step)   # a version per storage dtype
+                globals()["_entry"] = numba.njit(nogil=True, cache=True)(_enter)
+                _jitted = step
     return _jitted
 
 
@@ -83,10 +89,7 @@ def run(out: np.ndarray, own, own_j: int, pids: np.ndarray, addrs: np.ndarray, s
     -1 when done; the element offset of the piece whose read failed (nothing from it on is
     reduced); or -2 - the offset of the piece whose write failed (the step is reduced in full,
     nothing from that piece on is written: the caller writes it, and says why if it fails again)."""
-    got = _by_dtype.get(out.dtype)
-    if got is None:
-        got = _by_dtype[out.dtype] = _for(out.dtype)
-    step, like, kind16, readv, memmove, writev = got
+    step, like, kind16, readv, memmove, writev = _lookup(out.dtype)
     own_addr = 0 if own is None else own.ctypes.data
     return step(like, out.ctypes.data, out.size, own_addr, own_j, pids, addrs, scratch.ctypes.data, scratch.shape[1],
                 piece, native_kernels.OPCODES[op], kind16, into, build, readv, memmove, iov, push_pids, push_addrs,
@@ -105,7 +108,54 @@ def _for(dtype) -> tuple:
             native_sync.libc_address("process_vm_writev"))
 
 
-_reduce_into = _carray = None   # set by loop()
+# The step as the native engine's reducing calls run it (read_engine.ReadEngine._fetch_step): one
+# int64 block, made once per step of a plan, dtype and op (block()), of which a call sets only
+# B_OUT .. B_BUILD; the compiled entry reads each peer's pid and buffer address from its control
+# words itself (as read_native's rows do) and runs _step. run()'s twenty arguments, three
+# ``.ctypes.data`` and the Python that filled the peers' arrays cost ~6 us a call there.
+# Layout: the head (B_OUT .. B_OUT_OFF), then the m operands' control-word addresses (0: this
+# rank's input), the npush peers' ones, then room for the pids and addresses the entry fills in.
+B_OUT, B_OWN, B_INTO, B_BUILD, B_SIZE, B_OWN_J, B_SCRATCH, B_ROW, B_PIECE, B_OP, B_KIND16, B_READV, B_MEMMOVE, \
+    B_WRITEV, B_IOV, B_M, B_NPUSH, B_IN_OFF, B_OUT_OFF = range(19)
+HEAD = 19
+
+
+class Block:
+    """A step's argument block (``words``) with what it names by address kept alive: the scratch
+    rows and the system call's iovec scratch; ``like`` picks the compiled step's version."""
+
+    __slots__ = ("words", "like", "scratch", "iov")
+
+    def __init__(self, dtype, op: str, size: int, own_j: int, ctl, push_ctl, in_off: int, out_off: int,
+                 scratch: np.ndarray, iov: np.ndarray):
+        """``size``: the step's elements; ``ctl``: each operand's control-word address (0 for
+        ``own_j``, this rank's input), ``push_ctl`` each peer's the pieces are written into;
+        ``in_off``, ``out_off``: the span's byte offset in the peers' inputs and outputs;
+        ``scratch``: (operands + 1) rows as run() takes them."""
+        step, like, kind16, readv, memmove, writev = _lookup(dtype)
+        m, npush = len(ctl), len(push_ctl)
+        w = self.words = np.zeros(HEAD + 2 * (m + npush) + m + npush, np.int64)
+        w[B_SIZE:HEAD] = (size, own_j, scratch.ctypes.data, scratch.shape[1], scratch.shape[1],
+                          native_kernels.OPCODES[op], kind16, readv, memmove, writev, iov.ctypes.data, m, npush,
+                          in_off, out_off)
+        w[HEAD:HEAD + m + npush] = (*ctl, *push_ctl)
+        self.like, self.scratch, self.iov = like, scratch, iov
+
+
+def enter(block: Block) -> int:
+    """Run the step of ``block`` (B_OUT .. B_BUILD set for this call, as run()'s ``out``, ``own``,
+    ``into``, ``build``): what run() returns."""
+    return _entry(block.like, block.words)
+
+
+def _lookup(dtype) -> tuple:
+    got = _by_dtype.get(dtype)
+    if got is None:
+        got = _by_dtype[dtype] = _for(dtype)
+    return got
+
+
+_reduce_into = _carray = _step_jit = None   # set by loop()
 
 
 _transfer = native_sync.transfer           # compiled by loop(), with the next two
@@ -161,3 +211,25 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
     if build == STREAM:
         native_sync.stream_fence()   # as stream_copy's: the lines are in place before a later store (a sync)
     return -1 if unwritten < 0 else -2 - unwritten
+
+
+def _enter(like, w):
+    """_step over block ``w`` (Block): the peers' pids and addresses first, from their words."""
+    m, npush = w[B_M], w[B_NPUSH]
+    ctl, fill = w[HEAD:HEAD + m + npush], w[HEAD + m + npush:]
+    pids, addrs = fill[:m], fill[m:2 * m]
+    push_pids, push_addrs = fill[2 * m:2 * m + npush], fill[2 * m + npush:]
+    for j in range(m + npush):
+        c = ctl[j]
+        if c == 0:
+            continue
+        pid = native_sync.load_acquire(c + 8 * PID)
+        if j < m:
+            pids[j], addrs[j] = pid, native_sync.load_acquire(c + 8 * (DESC + 1)) + w[B_IN_OFF]
+        else:
+            push_pids[j - m] = pid
+            push_addrs[j - m] = native_sync.load_acquire(c + 8 * (DESC + 3)) + w[B_OUT_OFF]
+    iov = _carray(native_sync.typed_ptr(w[B_IOV], w), 4)
+    return _step_jit(like, w[B_OUT], w[B_SIZE], w[B_OWN], w[B_OWN_J], pids, addrs, w[B_SCRATCH], w[B_ROW],
+                     w[B_PIECE], w[B_OP], w[B_KIND16], w[B_INTO], w[B_BUILD], w[B_READV], w[B_MEMMOVE], iov,
+                     push_pids, push_addrs, w[B_WRITEV])

@@ -111,11 +111,10 @@ class _FetchStep:
     """A reducing step as the compiled path runs it (ReadEngine._fetch_step), worked out once: which
     operand is this rank's input (``own_j``; -1: none), the others as (operand, rank), whether the
     write_out_copy after it goes with it (``paired``: read_native.pushes) and into which ranks
-    (``push``), the arrays fetch_reduce.run takes, whose entries each call fills in from the
-    peers' descriptors, and its scratch rows for the dtype of the last call."""
+    (``push``), and fetch_reduce's argument block per (dtype, op) of its calls (None: a dtype the
+    compiled loop does not take)."""
 
-    __slots__ = ("own_j", "remote", "paired", "push", "pids", "addrs", "push_pids", "push_addrs", "dtype",
-                 "scratch")
+    __slots__ = ("own_j", "remote", "paired", "push", "blocks")
 
     def __init__(self, steps, spans, i: int, me: int):
         ranks = steps[i].remote
@@ -123,9 +122,7 @@ class _FetchStep:
         self.remote = [(j, q) for j, q in enumerate(ranks) if q != me]
         self.paired = read_native.pushes(steps, spans, i)
         self.push = tuple(steps[i + 1].remote) if self.paired else ()
-        self.pids, self.addrs = np.zeros(len(ranks), np.int64), np.zeros(len(ranks), np.int64)
-        self.push_pids, self.push_addrs = np.zeros(len(self.push), np.int64), np.zeros(len(self.push), np.int64)
-        self.dtype = self.scratch = None   # the last call's dtype, and its scratch rows (None: not compiled)
+        self.blocks: dict = {}
 
 
 class ReadLane:
@@ -292,39 +289,32 @@ class ReadEngine:
         fs = plan.fetch.get(i)
         if fs is None:
             fs = plan.fetch[i] = _FetchStep(steps, plan.spans, i, self.reg.rank)
-        dtype, size = call.out.dtype, call.out.itemsize
-        if fs.dtype is not dtype:   # the scratch rows, and whether the compiled loop takes the type
-            m, piece = len(fs.pids), max(1, FETCH_PIECE_BYTES // size)
-            rows = self._scratch(dtype, (m + 1) * piece, "fetch")[:(m + 1) * piece].reshape(m + 1, piece)
-            fs.dtype, fs.scratch = dtype, (rows if fetch_reduce.loop(dtype) is not None else None)
-        if fs.scratch is None:
+        dtype, size, op = call.out.dtype, call.out.itemsize, call.op
+        got = fs.blocks.get((dtype, op), False)
+        if got is False:
+            got = fs.blocks[dtype, op] = self._fetch_block(fs, dtype, op, io, k, oo)
+        if got is None:   # a dtype the compiled loop does not take: Python's steps from here
             self.go_on(ex, sched, call, plan, ain, aout, i, False)
             return None
         ex._step = i
-        out = call.out[oo:oo + k]
-        own = None if fs.own_j < 0 else call.inp[io:io + k]
-        push = fs.push if call.op != "avg" else ()   # (AVG divides after the whole step: then the write)
-        for j, q in fs.remote:   # the peers' buffers, from their descriptors (plain, as read_native checked)
-            words = self.peer_ctl[q]
-            fs.pids[j], fs.addrs[j] = words[PID], words[DESC + 1] + io * size
-        for t, q in enumerate(push):
-            words = self.peer_ctl[q]
-            fs.push_pids[t], fs.push_addrs[t] = words[PID], words[DESC + 3] + oo * size
         here, mine, nbytes = aout + oo * size, ain + io * size, k * size
-        overlaps = own is not None and here < mine + nbytes and mine < here + nbytes
+        overlaps = fs.own_j >= 0 and here < mine + nbytes and mine < here + nbytes
         via_scratch = fs.own_j >= 2 and overlaps   # as _step: the first operation would overwrite it
-        into, build = _build(fs.remote[0][0], overlaps, via_scratch, nbytes,
-                             STREAM_FINAL_OUT_MIN_BYTES if push else plan.stream_out_min)
+        w = got.words
+        w[fetch_reduce.B_OUT], w[fetch_reduce.B_OWN] = here, (mine if fs.own_j >= 0 else 0)
+        w[fetch_reduce.B_INTO], w[fetch_reduce.B_BUILD] = _build(
+            fs.remote[0][0], overlaps, via_scratch, nbytes,
+            STREAM_FINAL_OUT_MIN_BYTES if w[fetch_reduce.B_NPUSH] else plan.stream_out_min)
         ex._waiting = (fs.remote[0][1], "read", 0, time.monotonic())
         try:
-            failed = fetch_reduce.run(out, own, fs.own_j, fs.pids, fs.addrs, fs.scratch, fs.scratch.shape[1],
-                                      call.op, into, build, self.iov, fs.push_pids if push else fetch_reduce.NO_PUSH,
-                                      fs.push_addrs if push else fetch_reduce.NO_PUSH)
+            failed = fetch_reduce.enter(got)
         finally:
             ex._waiting = None
+        push = fs.push if op != "avg" else ()   # (AVG divides after the whole step: then the write)
+        out = call.out[oo:oo + k]
         views: dict = {}
         if failed != -1:   # a read or a write failed: Python's loop goes on with Remotes (and says why)
-            srcs = [own if j == fs.own_j else self._view(ex, call, q, "in", views)[io:io + k]
+            srcs = [call.inp[io:io + k] if j == fs.own_j else self._view(ex, call, q, "in", views)[io:io + k]
                     for j, q in enumerate(steps[i].remote)]
             targets = [self._view(ex, call, q, "out", views, "write into")[oo:oo + k] for q in push]
             with np.errstate(all="ignore"):
@@ -337,6 +327,22 @@ class ReadEngine:
             ex._step = i + 1
             self._step(ex, call, steps[i + 1], None, views, ain, aout, *plan.spans[i + 1], plan.stream_out_min)
         return i + 2 if fs.paired else i + 1
+
+    def _fetch_block(self, fs: _FetchStep, dtype, op: str, io: int, k: int, oo: int):
+        """fetch_reduce's block for step ``fs`` of ``k`` elements at input offset ``io`` and output
+        offset ``oo`` (the peers' too), for calls of ``dtype`` and ``op``; None where the compiled
+        loop does not take the dtype."""
+        if fetch_reduce.loop(dtype) is None:
+            return None
+        m, size = len(fs.remote) + (fs.own_j >= 0), np.dtype(dtype).itemsize
+        piece = max(1, FETCH_PIECE_BYTES // size)
+        rows = self._scratch(dtype, (m + 1) * piece, "fetch")[:(m + 1) * piece].reshape(m + 1, piece)
+        ctl = [0] * m
+        for j, q in fs.remote:
+            ctl[j] = int(self.peer_words[q])
+        push = fs.push if op != "avg" else ()   # (AVG divides after the whole step: then the write)
+        return fetch_reduce.Block(dtype, op, k, fs.own_j, ctl, [int(self.peer_words[q]) for q in push], io * size,
+                                  oo * size, rows, self.iov)
 
     def _handed_back(self) -> tuple[int, bool]:
         """Where Python goes on from a compiled call that did not finish: the step, and whether its

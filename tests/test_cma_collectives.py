@@ -82,14 +82,20 @@ def _engines_agree(comm, cases):
     pieces written into every peer as they are built, but for AVG's) and on the reference engine
     (Python's loop, then the write step): right both times, the same bits."""
     from ringcomm import fetch_reduce, stream_copy
-    run, ran, builds, pushes, errors = fetch_reduce.run, [0], [], [], []
+    run, enter, ran, builds, pushes, errors = fetch_reduce.run, fetch_reduce.enter, [0], [], [], []
 
-    def counted(*args):
+    def counted(*args):   # Python's steps (a call handed back): fetch_reduce.run
         ran[0] += 1
         builds.append(args[9])
         pushes.append(args[11].size)
         return run(*args)
-    fetch_reduce.run = counted
+
+    def counted_block(block):   # the compiled call's reducing step (ReadEngine._fetch_step)
+        ran[0] += 1
+        builds.append(int(block.words[fetch_reduce.B_BUILD]))
+        pushes.append(int(block.words[fetch_reduce.B_NPUSH]))
+        return enter(block)
+    fetch_reduce.run, fetch_reduce.enter = counted, counted_block
     for case in cases:
         got = {}
         for engine in ("native", "python"):
@@ -112,7 +118,7 @@ def _engines_agree(comm, cases):
             got[engine] = result.tobytes()
         if got["native"] != got["python"]:
             errors.append(f"{case}: the engines' bits differ")
-    fetch_reduce.run = run
+    fetch_reduce.run, fetch_reduce.enter = run, enter
     return errors
 
 
@@ -221,8 +227,9 @@ def _reductions_in_compiled_calls(comm):
     of the call), and sizes that differ between the ranks (an error on both, no hang)."""
     from ringcomm import fetch_reduce, read_engine
     real, steps, runs = read_engine.ReadEngine._fetch_step, [], []
-    run = fetch_reduce.run
+    run, enter = fetch_reduce.run, fetch_reduce.enter
     fetch_reduce.run = lambda *args: runs.append(1) or run(*args)
+    fetch_reduce.enter = lambda block: runs.append(1) or enter(block)
 
     def counted(self, ex, sched, call, plan, ain, aout, i):
         steps.append(sched.collective)
@@ -249,7 +256,7 @@ def _reductions_in_compiled_calls(comm):
     xi = np.arange(3000, dtype=np.int32) * (r + 1)
     comm.all_reduce(xi)
     right.append(bool((xi == np.arange(3000) * n * (n + 1) // 2).all()) and len(runs) == compiled)
-    fetch_reduce.loop, fetch_reduce.run = loop, run
+    fetch_reduce.loop, fetch_reduce.run, fetch_reduce.enter = loop, run, enter
     read_engine.ReadEngine._fetch_step = real
     try:
         comm.all_reduce(np.zeros(1000 + r, np.float32))
@@ -310,12 +317,16 @@ def _die_during(comm, method, root, collective, engine):
             time.sleep(0.01)
 
     if method == "fetch_reduce":   # the native engine's reducing step: its compiled fetch fails
-        run = fetch_reduce.run
+        run, enter = fetch_reduce.run, fetch_reduce.enter
 
-        def killed_first(out, own, own_j, pids, *rest):
+        def killed_first(out, own, own_j, pids, *rest):   # (a call handed back to Python's steps)
             kill(int(pids[1 - own_j]))
             return run(out, own, own_j, pids, *rest)
-        fetch_reduce.run = killed_first
+
+        def killed_first_block(block):   # (the compiled call's reducing step)
+            kill(int(comm._registry.peers[1, "ctl"].words[read_engine.PID]))
+            return enter(block)
+        fetch_reduce.run, fetch_reduce.enter = killed_first, killed_first_block
     elif engine == "python" or collective != "broadcast":
         original = getattr(plain_read.Remote, method)
 
@@ -341,21 +352,33 @@ def _writes_fail_then_python_writes(comm):
     (EFAULT), so the step reduces in full and Python writes the chunk (read_engine._reduce). In
     place too, where reducing a piece twice would double it."""
     from ringcomm import fetch_reduce
-    run, bad = fetch_reduce.run, []
+    run, enter, bad = fetch_reduce.run, fetch_reduce.enter, []
 
-    def bad_writes(*args):
+    def bad_writes(*args):   # (a call handed back to Python's steps)
         if args[11].size and comm.rank == 0:   # a step whose pieces go to the peers
             bad.append(1)
             args = (*args[:12], np.full_like(args[12], 64))   # page 0: not mapped in the peer
         return run(*args)
-    fetch_reduce.run = bad_writes
+
+    def bad_writes_block(block):   # (the compiled call's reducing step)
+        w = block.words
+        if w[fetch_reduce.B_NPUSH] and comm.rank == 0:
+            bad.append(1)
+            off = w[fetch_reduce.B_OUT_OFF]
+            w[fetch_reduce.B_OUT_OFF] = 1 << 47   # past the end of the peer's address space
+            try:
+                return enter(block)
+            finally:
+                w[fetch_reduce.B_OUT_OFF] = off
+        return enter(block)
+    fetch_reduce.run, fetch_reduce.enter = bad_writes, bad_writes_block
     right = []
     for inplace in (False, True):
         x = np.arange(1 << 19, dtype=np.float32) + comm.rank
         out = x if inplace else np.empty_like(x)
         comm.all_reduce(x, out=None if inplace else out)
         right.append(bool((out == 2 * np.arange(1 << 19, dtype=np.float32) + 1).all()))
-    fetch_reduce.run = run
+    fetch_reduce.run, fetch_reduce.enter = run, enter
     return right, len(bad)
 
 
