@@ -60,7 +60,7 @@ REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a c
 # alternating with MPICH, two runs each way, CMA against FIFOs: broadcast 32 KiB 5.1-5.2 us
 # against 5.0-6.6, 64 KiB 5.6-6.1 against 6.8-7.1, 128 KiB 6.9-7.2 against 11.3-12.0; all_gather
 # 16 KiB 5.0-6.3 against 5.0-5.2, 32 KiB 5.3-5.6 against 6.2-6.3, 64 KiB 6.5-6.6 against 8.2-8.6).
-CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 512 << 10, "reduce_scatter": 8 << 20}
+CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 128 << 10, "reduce_scatter": 1 << 20}
 # With more ranks than cores: this much per rank a core holds (rounded up), copies only. It was
 # 512 KiB while a stacked rank's every wait went back to Python (a CMA call waits for all its
 # peers); once the compiled waits yield the core themselves (engine_native._wait, read_native.
@@ -90,6 +90,15 @@ CMA_MIN_STACKED_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10}
 # 1 MiB 185-193 against 220-221, 2 MiB level (CMA both ways). reduce_scatter by CMA gained too
 # (2 MiB 277-293 us against 320-354, 8 MiB 821-837 against 896-906) but not past the FIFOs below
 # 8 MiB (2 MiB 221-261, 4 MiB 422-494 in the rounds above).
+# Then the reducing step ran from an argument block (fetch_reduce.Block: a 4 KiB all_reduce by CMA
+# 11.9 us, then 6.3), and on the next day's Intel VM (session 26: memcpy 7.5-12 GB/s, 480 MiB L3)
+# both moved down: 2 ranks, 30-call rows alternating with MPICH, three runs, RINGCOMM_CMA_MIN=1
+# (or 1M) against the defaults then, two rounds each way, out of place (in place), us:
+# all_reduce 64 KiB 10.3-10.6 against 9.4-9.6 (level), 128 KiB 14.4-14.6 against 17.4-18.1,
+# 256 KiB 22.5-26.0 against 29.6-31.0, 512 KiB and 1 MiB level (CMA both ways); reduce_scatter
+# 512 KiB level (31-33 against 30-33), 1 MiB 61-70 against 79-87, 2 MiB 166-182 against 201-212,
+# 4 MiB 344-392 (252-271) against 398-418 (327-345), 8 and 16 MiB level. That day's FIFOs were not
+# ahead at 2-4 MiB, as they were the day before (above): that VM's figures stand against these.
 
 
 # The host's core count, read once (os.cpu_count() reads /sys: 6 us, which a call above the

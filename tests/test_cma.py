@@ -98,7 +98,7 @@ def test_the_crossover_grows_with_ranks_per_core_and_reductions_need_a_core_each
         # stacked: 128 KiB a rank per core, rounded up
         assert not plain_read.wanted(collective, mib // 4 - 1, 3) and plain_read.wanted(collective, mib // 4, 4)
         assert not plain_read.wanted(collective, 3 * mib // 8 - 1, 5) and plain_read.wanted(collective, 3 * mib // 8, 6)
-    for collective, least in (("all_reduce", mib // 2), ("reduce_scatter", 8 * mib)):   # of input, a core a rank
+    for collective, least in (("all_reduce", mib // 8), ("reduce_scatter", mib)):   # of input, a core a rank
         assert plain_read.wanted(collective, least, 2) and not plain_read.wanted(collective, least - 1, 2)
         assert plain_read.wanted(collective, 1 << 40, 1) and not plain_read.wanted(collective, 1 << 40, 3)
     assert not plain_read.wanted("reduce", 1 << 40, 2)  # a rooted reduce keeps the FIFOs

@@ -622,10 +622,11 @@ def test_debug_check_names_a_rank_that_passes_plain_memory_its_peer_cannot_read(
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_passes_plain_memory_is_a_timeout_that_says_why():
-    # Default settings: a 1 MiB reduce_scatter runs the read steps on registered buffers, the FIFO ring
-    # on plain ones (its CMA reads start at 8 MiB), so the two ranks run different algorithms. Each
-    # names the other within the timeout; the registered side says what most likely happened.
-    with World(2, timeout=2) as w:
+    # A 1 MiB reduce_scatter runs the read steps on registered buffers, the FIFO ring on plain ones
+    # where their CMA reads start higher up (by default they start at 1 MiB: here at 64 MiB), so the
+    # two ranks run different algorithms. Each names the other within the timeout; the registered
+    # side says what most likely happened.
+    with World(2, {"RINGCOMM_CMA_MIN": str(64 << 20)}, timeout=2) as w:
         answers = w.run(_mixed, "reduce_scatter", timeout=60)
     assert all(text.startswith("CollectiveTimeout") for text in answers), answers
     assert "waiting for reduce_scatter #1 to start so as to read the registered buffer of rank 1" in answers[0]
