@@ -204,6 +204,7 @@ class Supervisor:
         self.procs, self.threads, self.received = [], [], []
         self.first_failure = None  # (rank, returncode)
         self.term_at = self.kill_at = None
+        self.stopping = False      # we have signalled the ranks since the first failure
         self.exits: queue.Queue = queue.Queue()
         self.lock = threading.Lock()  # the ranks' lines and ours: each written whole (_write_line)
 
@@ -247,6 +248,7 @@ class Supervisor:
         if self.received and self.kill_at is None:
             self.kill_at = now + KILL_AFTER_S
         if self.term_at is not None and now >= self.term_at:
+            self.stopping = True
             signal_ranks(self.procs, signal.SIGTERM)
             self.term_at = None
             self.kill_at = min(self.kill_at or float("inf"), now + KILL_AFTER_S)
@@ -259,10 +261,18 @@ class Supervisor:
 
     def _on_exit(self, rank: int, code: int) -> None:
         # Ranks dying because *we* forwarded a signal are not failures of their own.
-        if code != 0 and self.first_failure is None and not self.received:
+        if code == 0 or self.received:
+            return
+        if self.first_failure is None:
             self.first_failure = (rank, code)
             self.say(f"rank {rank} {describe(code)}; stopping the other ranks in {self.a.grace:g} s")
             self.term_at = time.monotonic() + self.a.grace
+        elif code < 0 < self.first_failure[1] and not self.stopping:
+            # A rank killed by a signal nobody here sent outranks one that exited with an error: the
+            # error is most likely that rank's peers reporting its death, and each rank's exit
+            # reaches this queue from a thread of its own, in whatever order they were scheduled.
+            self.first_failure = (rank, code)
+            self.say(f"rank {rank} {describe(code)}")
 
     def wait(self) -> int:
         """Wait for every rank; return the launcher's exit code."""

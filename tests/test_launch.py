@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -256,6 +257,26 @@ def test_rank_killed_by_signal(tmp_path):
     r = run(["-n", 2, "--grace", 5, script])
     assert r.returncode == 137
     assert "ringcomm-run: rank 1 failed first (killed by SIGKILL)" in r.stderr
+
+
+def test_a_rank_killed_by_a_signal_outranks_the_errors_its_peers_exit_with(capsys):
+    # Each rank's exit reaches the launcher from a thread of its own, in whatever order those run:
+    # survivors that saw a peer die and exited with an error may come before the peer killed by
+    # SIGKILL. The killed rank is the one reported -- unless the launcher had signalled the ranks.
+    def supervisor():
+        return launch.Supervisor(types.SimpleNamespace(node_rank=0, nproc_per_node=4, grace=5.0), {})
+    sup = supervisor()
+    for rank, code in ((3, 1), (2, -signal.SIGKILL), (1, 1), (0, -signal.SIGTERM)):
+        sup._on_exit(rank, code)
+    assert sup.result() == 137
+    assert "ringcomm-run: rank 2 failed first (killed by SIGKILL)" in capsys.readouterr().err
+    sup = supervisor()
+    sup._on_exit(3, 1)
+    sup.term_at = time.monotonic() - 1
+    sup._tick()   # the grace is over: the launcher sends SIGTERM (to no process here)
+    sup._on_exit(2, -signal.SIGTERM)
+    assert sup.result() == 1
+    assert "ringcomm-run: rank 3 failed first (exit code 1)" in capsys.readouterr().err
 
 
 def pid_alive(pid: int) -> bool:
