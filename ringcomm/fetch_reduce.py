@@ -29,6 +29,11 @@ value), where Python's loop reads it again and explains the error (a dead peer, 
 failed write into a peer stops the writes, not the reduction, and Python writes the rest.
 Operands and buffers arrive by address, so a read-only input and a writable output are one array
 type in the compiled code; ``like`` (an empty array of the storage dtype) picks the loop's type.
+
+Two ways in: run(), with the step's arrays and values (Python's steps, read_engine._reduce), and
+enter(), with a Block made once per step of a plan (the native engine's reducing calls, after
+read_native's compiled wait for the peers: ReadEngine._fetch_step), whose entry reads the peers'
+pids and addresses from their control words itself.
 """
 from __future__ import annotations
 
