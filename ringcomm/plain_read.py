@@ -35,7 +35,6 @@ from .env import env_number, env_switch
 from .errors import RingcommError
 
 COLLECTIVES = ("broadcast", "all_gather", "all_reduce", "reduce_scatter")
-REDUCING = ("all_reduce", "reduce_scatter")   # only where no rank waits for a core (wanted())
 # Measured crossovers: below them the FIFO path is as fast or faster (64 KiB broadcast 6 us
 # against 15 us by CMA, whose per-call Python and two syscalls cost ~15 us); above them one copy
 # instead of two wins. They were 2 MiB (broadcast) and 4 MiB (all_gather's output) on an AMD EPYC
@@ -68,7 +67,20 @@ CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 12
 # with MPICH, two runs, CMA against FIFOs: broadcast 64 KiB 25.7 / 23.4 us against 18.9 / 22.8,
 # 256 KiB 51.1 / 46.5 against 59.6 / 64.2; all_gather's output 256 KiB 48.0 / 45.0 against 64.4 /
 # 70.9; ten-run sets: broadcast 256 KiB median 48-51 against 56-58).
-CMA_MIN_STACKED_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10}
+# all_reduce joined them at 2 MiB a rank per core (4 MiB of input on 4 ranks on 2 cores), once its
+# reducing step ran compiled from a block (fetch_reduce.Block): Intel VM, 30-call rows alternating
+# with MPICH, three runs, RINGCOMM_CMA_MIN=1 against the FIFOs, two rounds each way, out of place
+# (in place), us: 4 MiB 1622-1687 (1285-1309) against 1853-1938 (1744-1748), 16 MiB 8395-8614
+# (4962-5700) against 9254-9334 (7486-7800); below, the FIFOs won (1 MiB 668-674 against 524-536,
+# 256 KiB 154-218 against 146-161). The day before, compiled up to the step only: 4 MiB 2122-2224
+# against 2291-2333, 16 MiB level (in place 6989-7210 against 8587-8852). 3 ranks on 2 cores, the
+# same day: 2 MiB 712-905 against 994-1020, 4 MiB 1204-1294 against 1934-2023, 16 MiB 6035-6081
+# against 9562-9907 (1 MiB level). reduce_scatter joined at 8 MiB a rank per core (16 MiB there):
+# 4 ranks, the FIFOs won to 4 MiB, CMA a little at 16 (4 MiB 1256-1311 against 997-1010, 16 MiB
+# 4029-4149 against 4205-4260); 3 ranks, CMA won from 6 MiB (6 MiB 1114-1347 against 1556-1560,
+# 24 MiB 5039-5369 against 7406-7413; 1.5 MiB 474-502 against 439-455).
+CMA_MIN_STACKED_BYTES = {"broadcast": 128 << 10, "all_gather": 128 << 10, "all_reduce": 2 << 20,
+                         "reduce_scatter": 8 << 20}
 # The reductions, 2 ranks, 30-call rows alternating with MPICH, CMA against the FIFOs, out of place
 # (in place): all_reduce 1 MiB 170 us against 158, 2 MiB 355 against 352, 4 MiB 524 against 673,
 # 16 MiB 2089 (1574) against 2791 (2646), 64 MiB 13846 (11025) against 16190 (15897);
@@ -119,11 +131,11 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
     CMA_MIN_STACKED_BYTES scaled by the ranks per core (rounded up): with more ranks than cores
     a CMA call's syncs wait for ranks the scheduler has parked, as the FIFO pipeline does not
     (4 ranks on 2 cores, AMD VM, broadcast: 2 MiB 537-680 us by CMA against 440-510 us by the
-    FIFOs, 4 MiB 600-830 against 1050-1190). The reductions never take it
-    with more ranks than cores: each rank then reads all of its peers' chunks while they wait
-    for the core (Intel VM, 4 ranks on 2 cores, 20-call rows, CMA against FIFOs: all_reduce
-    1 MiB 707 us against 670, 16 MiB 9145 against 9640; reduce_scatter 1 MiB 490 against 320,
-    64 MiB 25748 against 20451: no size won clearly)."""
+    FIFOs, 4 MiB 600-830 against 1050-1190). The reductions take it later there: each rank reads
+    all of its peers' chunks while they wait for the core (Intel VM, 4 ranks on 2 cores, 20-call
+    rows, CMA against FIFOs, before their reducing step ran compiled: all_reduce 1 MiB 707 us
+    against 670, 16 MiB 9145 against 9640; reduce_scatter 1 MiB 490 against 320, 64 MiB 25748
+    against 20451); since then, from CMA_MIN_STACKED_BYTES' figures."""
     if collective not in COLLECTIVES:
         return False
     given = env_number("RINGCOMM_CMA_MIN", None, int)
@@ -131,9 +143,8 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
         return nbytes >= given
     per_core = -(-ranks // CORES)
     if per_core > 1:
-        if collective in REDUCING:
-            return False
-        return nbytes >= CMA_MIN_STACKED_BYTES[collective] * per_core
+        least = CMA_MIN_STACKED_BYTES.get(collective)
+        return least is not None and nbytes >= least * per_core
     return nbytes >= CMA_MIN_BYTES[collective]
 
 

@@ -88,7 +88,7 @@ def test_probe_says_why_a_target_is_not_permitted():
     assert "other bytes" in cma.probe(os.getpid(), word.ctypes.data, b"RINGCMA!")
 
 
-def test_the_crossover_grows_with_ranks_per_core_and_reductions_need_a_core_each(monkeypatch):
+def test_the_crossover_grows_with_ranks_per_core(monkeypatch):
     from ringcomm import plain_read
     monkeypatch.delenv("RINGCOMM_CMA_MIN", raising=False)
     monkeypatch.setattr(plain_read, "CORES", 2)
@@ -100,7 +100,10 @@ def test_the_crossover_grows_with_ranks_per_core_and_reductions_need_a_core_each
         assert not plain_read.wanted(collective, 3 * mib // 8 - 1, 5) and plain_read.wanted(collective, 3 * mib // 8, 6)
     for collective, least in (("all_reduce", mib // 8), ("reduce_scatter", mib)):   # of input, a core a rank
         assert plain_read.wanted(collective, least, 2) and not plain_read.wanted(collective, least - 1, 2)
-        assert plain_read.wanted(collective, 1 << 40, 1) and not plain_read.wanted(collective, 1 << 40, 3)
+        assert plain_read.wanted(collective, 1 << 40, 1)
+    for collective, least in (("all_reduce", 2 * mib), ("reduce_scatter", 8 * mib)):   # stacked: a rank per core
+        assert not plain_read.wanted(collective, 2 * least - 1, 3) and plain_read.wanted(collective, 2 * least, 4)
+        assert not plain_read.wanted(collective, 3 * least - 1, 5) and plain_read.wanted(collective, 3 * least, 6)
     assert not plain_read.wanted("reduce", 1 << 40, 2)  # a rooted reduce keeps the FIFOs
     monkeypatch.setenv("RINGCOMM_CMA_MIN", "4096")           # the knob, as given, whatever the ranks
     assert plain_read.wanted("broadcast", 4096, 8) and not plain_read.wanted("broadcast", 4095, 2)
