@@ -114,7 +114,7 @@ def _for(dtype) -> tuple:
 
 
 # The step as the native engine's reducing calls run it (read_engine.ReadEngine._fetch_step): one
-# int64 block, made once per step of a plan, dtype and op (block()), of which a call sets only
+# int64 block, made once per step of a plan, dtype and op (Block), of which a call sets only
 # B_OUT .. B_BUILD; the compiled entry reads each peer's pid and buffer address from its control
 # words itself (as read_native's rows do) and runs _step. run()'s twenty arguments, three
 # ``.ctypes.data`` and the Python that filled the peers' arrays cost ~6 us a call there.
