@@ -60,7 +60,7 @@ COLLECTIVES = ("broadcast", "all_gather", "all_reduce", "reduce_scatter")
 # against 5.0-6.6, 64 KiB 5.6-6.1 against 6.8-7.1, 128 KiB 6.9-7.2 against 11.3-12.0; all_gather
 # 16 KiB 5.0-6.3 against 5.0-5.2, 32 KiB 5.3-5.6 against 6.2-6.3, 64 KiB 6.5-6.6 against 8.2-8.6).
 CMA_MIN_BYTES = {"broadcast": 64 << 10, "all_gather": 32 << 10, "all_reduce": 128 << 10, "reduce_scatter": 1 << 20}
-# With more ranks than cores: this much per rank a core holds (rounded up), copies only. It was
+# With more ranks than cores: this much per rank a core holds (rounded up). For the copies it was
 # 512 KiB while a stacked rank's every wait went back to Python (a CMA call waits for all its
 # peers); once the compiled waits yield the core themselves (engine_native._wait, read_native.
 # _wait_at_least), CMA won from 256 KiB on 4 ranks on 2 cores (Intel VM, 10 ms rows alternating
@@ -143,8 +143,7 @@ def wanted(collective: str, nbytes: int, ranks: int = 2) -> bool:
         return nbytes >= given
     per_core = -(-ranks // CORES)
     if per_core > 1:
-        least = CMA_MIN_STACKED_BYTES.get(collective)
-        return least is not None and nbytes >= least * per_core
+        return nbytes >= CMA_MIN_STACKED_BYTES[collective] * per_core
     return nbytes >= CMA_MIN_BYTES[collective]
 
 

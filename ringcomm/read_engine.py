@@ -124,6 +124,11 @@ class _FetchStep:
         self.push = tuple(steps[i + 1].remote) if self.paired else ()
         self.blocks: dict = {}
 
+    def pushed_into(self, op: str) -> tuple:
+        """The ranks each built piece goes to as it is built: none for AVG, which divides after
+        the whole step (its write_out_copy follows then)."""
+        return self.push if op != "avg" else ()
+
 
 class ReadLane:
     """A known call's shortest way into read_native's compiled call (comm._run_known; the FIFO
@@ -175,7 +180,7 @@ class ReadEngine:
         self.peer_words = None               # the peers' control words' addresses (read_native)...
         # ...and the rest it needs (constants, scratch, the compiled call and its argument block,
         # read_native.arguments), made at first use
-        self.consts = self.iov = self.res = self.run_call = self.args = self.peer_ctl = None
+        self.consts = self.iov = self.res = self.run_call = self.args = None
         self.handed_back = 0                 # compiled calls that Python finished (a long wait, an error)
 
     def run(self, ex, sched, call) -> None:
@@ -248,7 +253,6 @@ class ReadEngine:
         if self.peer_words is None:
             self.peer_words = np.array([0 if p == reg.rank else reg.peers[p, "ctl"].base for p in range(reg.n)],
                                        np.int64)
-            self.peer_ctl = [None if p == reg.rank else reg.peers[p, "ctl"].words for p in range(reg.n)]
             budget = int(min(ex._spin_s, read_native.SPIN_S) * native_sync.cycles_per_second())
             self.consts = read_native.constants(reg.n, reg.rank, budget, Backoff.compiled_yields(ex._spin_s > 0))
             self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
@@ -310,7 +314,7 @@ class ReadEngine:
             failed = fetch_reduce.enter(got)
         finally:
             ex._waiting = None
-        push = fs.push if op != "avg" else ()   # (AVG divides after the whole step: then the write)
+        push = fs.pushed_into(op)
         out = call.out[oo:oo + k]
         views: dict = {}
         if failed != -1:   # a read or a write failed: Python's loop goes on with Remotes (and says why)
@@ -340,9 +344,8 @@ class ReadEngine:
         ctl = [0] * m
         for j, q in fs.remote:
             ctl[j] = int(self.peer_words[q])
-        push = fs.push if op != "avg" else ()   # (AVG divides after the whole step: then the write)
-        return fetch_reduce.Block(dtype, op, k, fs.own_j, ctl, [int(self.peer_words[q]) for q in push], io * size,
-                                  oo * size, rows, self.iov)
+        return fetch_reduce.Block(dtype, op, k, fs.own_j, ctl, [int(self.peer_words[q]) for q in fs.pushed_into(op)],
+                                  io * size, oo * size, rows, self.iov)
 
     def _handed_back(self) -> tuple[int, bool]:
         """Where Python goes on from a compiled call that did not finish: the step, and whether its
