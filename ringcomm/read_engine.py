@@ -83,11 +83,12 @@ class _Plan:
     (fetch_reduce.STREAM): sooner where no step reads an output back (a write_out_copy that goes
     with its reducing step's pieces does not: _push)."""
 
-    __slots__ = ("sched", "reduces", "spans", "native", "in_place", "stream_out_min", "fetch")
+    __slots__ = ("sched", "reduces", "spans", "native", "in_place", "registered", "stream_out_min", "fetch")
 
-    def __init__(self, sched, m: int, in_place: bool):
+    def __init__(self, sched, m: int, in_place: bool, registered: bool = False):
         self.sched, self.reduces = sched, any(step.reduces for step in sched.steps)
         self.spans, self.native, self.in_place = step_spans(sched, m), False, in_place
+        self.registered = registered
         self.fetch: dict = {}   # step index -> _FetchStep, made at its first compiled call
         reread = any(step.reads == "out" or step.kind == "write_out_copy" for step in sched.steps)
         self.stream_out_min = STREAM_OUT_MIN_BYTES if reread else STREAM_FINAL_OUT_MIN_BYTES
@@ -133,9 +134,9 @@ class _FetchStep:
 class ReadLane:
     """A known call's shortest way into read_native's compiled call (comm._run_known; the FIFO
     engine's twin is engine_native.Lane): ReadEngine.run's look-ups (its plan, whether the compiled
-    path applies), done once. run() is the engine comm._execute_now calls: the compiled call, then
-    Python's steps from where it handed back; the executor's whole way where an allocation of this
-    rank's was registered since."""
+    path applies, the call's descriptor), done once. run() is the engine comm._execute_now calls:
+    the compiled call, then Python's steps from where it handed back. (A known call's arrays are
+    the same objects each time: registered or plain for good.)"""
 
     __slots__ = ("engine", "ex", "plan", "nsteps", "args")
 
@@ -145,9 +146,6 @@ class ReadLane:
 
     def run(self, sched, call) -> None:
         e = self.engine
-        if e.reg.mine:   # ReadEngine.run decides again: this rank's buffers may be registered ones
-            self.ex.run(sched, call)
-            return
         e.calls += 1
         self.args[read_native.A_CALLS] = e.calls
         ain, aout = call.addrs
@@ -177,6 +175,7 @@ class ReadEngine:
         self.syncs = np.zeros(reg.n, np.int64)   # syncs reached with each peer, as published in SYNC + p
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
         self.plans: dict = {}                # (id(schedule), m, itemsize) -> _Plan
+        self.maps = read_native.maps(reg.n)  # the peers' allocations as mapped here (Registry.alloc fills it)
         self.peer_words = None               # the peers' control words' addresses (read_native)...
         # ...and the rest it needs (constants, scratch, the compiled call and its argument block,
         # read_native.arguments), made at first use
@@ -196,16 +195,16 @@ class ReadEngine:
             aout = ain if call.out is call.inp else address(call.out)
         self.calls += 1
         start, arrived = 0, False
-        plan = self._plan(sched, call, ain, aout)
-        compiled = self._compiled(ex, plan, call)
+        desc = self._descriptor(call, ain, aout)
+        plan = self._plan(sched, call, ain, aout, desc)
+        compiled = self._compiled(ex, plan, call, desc)
         if compiled is not None:   # the whole call in compiled code, or up to where Python goes on
-            start, arrived = self._run_compiled(ex, compiled, ain, aout, call, sched, plan)
+            start, arrived = self._run_compiled(ex, compiled, ain, aout, call, sched, plan, desc)
             if start is None:
                 return
         else:
             words = self.reg.ctl.words
-            words[DESC:DESC + 6] = (*self._where(call.inp, ain), *self._where(call.out, aout),
-                                    call.inp.nbytes, call.out.nbytes)
+            words[DESC:DESC + 6] = (*(desc or (-1, ain, -1, aout)), call.inp.nbytes, call.out.nbytes)
             self.reg.publish(CALLS, self.calls)  # after the descriptor (x86 store order): peers may read it now
         self.go_on(ex, sched, call, plan, ain, aout, start, arrived)
 
@@ -224,29 +223,42 @@ class ReadEngine:
         this one ran there before."""
         ain = address(call.inp)
         aout = ain if call.out is call.inp else address(call.out)
-        plan = self._plan(sched, call, ain, aout)
-        prepared = None if self.run_call is None else self._compiled(ex, plan, call)
+        desc = self._descriptor(call, ain, aout)
+        plan = self._plan(sched, call, ain, aout, desc)
+        prepared = None if self.run_call is None else self._compiled(ex, plan, call, desc)
         if prepared is None:
             return None
         args = self.args.copy()   # the engine's arrays, and this call's plan and buffers, for good
-        args[read_native.A_ROWS:read_native.A_NOUT + 1] = read_native.call_words(
-            prepared, 0, ain, aout, call.inp.nbytes, call.out.nbytes)   # the number: at each call (ReadLane.run)
+        args[read_native.CALL_WORDS] = read_native.call_words(
+            prepared, 0, ain, aout, call.inp.nbytes, call.out.nbytes, desc)   # the number: at each call (ReadLane.run)
         return ReadLane(self, ex, plan, len(sched.steps), args)
 
-    def _compiled(self, ex, plan: _Plan, call):
-        """read_native's plan for this call, where the compiled path applies: the native engine, plain
-        buffers read by CMA (no allocation of this rank's is registered), a schedule whose steps
-        copy (its large local copies stream past the caches there too: read_native._copy) or reduce
-        what they read from inputs (each such step handed to _fetch_step)."""
+    def _descriptor(self, call, ain: int, aout: int) -> tuple | None:
+        """The call's descriptor words (DESC's first four: _where of its input and output), or None
+        where no allocation of this rank's is registered (then both are plain)."""
+        if not self.reg.mine:
+            return None
+        return (*self._where(call.inp, ain), *self._where(call.out, aout))
+
+    def _compiled(self, ex, plan: _Plan, call, desc: tuple | None):
+        """read_native's plan for this call, where the compiled path applies: the native engine, the
+        control segments exchanged (CMA's probe or an allocation), and a schedule whose steps copy
+        (its large local copies stream past the caches there too: read_native._copy), from and into
+        plain buffers by CMA or registered ones through their mappings, or reduce what they read
+        from plain inputs (each such step handed to _fetch_step; reductions on registered buffers
+        keep Python's steps)."""
         reg = self.reg
-        if ex.native is None or not reg.cma or reg.mine:
+        if ex.native is None or not reg.exchanged():
+            return None
+        if plan.reduces and desc is not None and (desc[0] != -1 or desc[2] != -1):
             return None
         if plan.native is False:
-            made = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank, pieces=not plan.in_place)
+            made = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank, pieces=not plan.in_place,
+                                    by_cma=not plan.registered)
             plan.native = None if made is None else read_native.Prepared(*made)
         return plan.native
 
-    def _run_compiled(self, ex, prepared, ain: int, aout: int, call, sched, plan: _Plan):
+    def _run_compiled(self, ex, prepared, ain: int, aout: int, call, sched, plan: _Plan, desc: tuple | None):
         """Run the call in read_native's compiled function (_drive): (None, None) when it finished,
         else the step (and whether its sync arrivals are published) from which Python goes on."""
         reg = self.reg
@@ -257,11 +269,12 @@ class ReadEngine:
             self.consts = read_native.constants(reg.n, reg.rank, budget, Backoff.compiled_yields(ex._spin_s > 0))
             self.iov, self.res = np.empty(4, np.int64), np.zeros(2, np.int64)
             self.args = read_native.arguments(reg.ctl.words, self.peer_words, self.syncs, self.consts, self.iov,
-                                              self.res)
+                                              self.maps, self.res)
             self.run_call = read_native.kernel()
+        self.consts[read_native.CMA] = bool(reg.cma)   # (probed once; its lanes share the array)
         a = self.args
-        a[read_native.A_ROWS:read_native.A_NOUT + 1] = read_native.call_words(
-            prepared, self.calls, ain, aout, call.inp.nbytes, call.out.nbytes)
+        a[read_native.CALL_WORDS] = read_native.call_words(
+            prepared, self.calls, ain, aout, call.inp.nbytes, call.out.nbytes, desc)
         went = self._drive(ex, sched, call, plan, ain, aout, a)
         return (None, None) if went is None else went
 
@@ -353,17 +366,19 @@ class ReadEngine:
         self.handed_back += 1
         return int(self.res[0]), bool(self.res[1])
 
-    def _plan(self, sched, call, ain: int, aout: int) -> _Plan:
-        """This schedule's _Plan for the call's shape and whether its input lies in its output (in
-        place), from the cache (keyed by identity, and checked: a recycled id never returns
-        another schedule's plan)."""
+    def _plan(self, sched, call, ain: int, aout: int, desc: tuple | None) -> _Plan:
+        """This schedule's _Plan for the call's shape, whether its input lies in its output (in
+        place) and whether its output is registered (its peers' then are too, in a correct program:
+        the compiled writes' pieces are memmoves), from the cache (keyed by identity, and checked:
+        a recycled id never returns another schedule's plan)."""
         in_place = aout <= ain < aout + call.out.nbytes
-        key = (id(sched), call.m, call.inp.itemsize, in_place)
+        registered = desc is not None and desc[2] != -1
+        key = (id(sched), call.m, call.inp.itemsize, in_place, registered)
         got = self.plans.get(key)
         if got is None or got.sched is not sched:
             if len(self.plans) >= 64:
                 self.plans.clear()
-            got = self.plans[key] = _Plan(sched, call.m, in_place)
+            got = self.plans[key] = _Plan(sched, call.m, in_place, registered)
         return got
 
     def _steps(self, ex, sched, call, fn, views, ain: int, aout: int, plan: _Plan, start: int = 0,

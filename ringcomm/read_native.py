@@ -10,23 +10,27 @@ call in one compiled function over a plan of rows, one per copy, read, write or 
 
     publish the descriptor and CALLS            (as ReadEngine.run, then wake sleeping peers)
     copy      out[oo:oo+k] = inp[io:io+k]       (memmove, streamed as stream_copy's; none in place)
-    read      out[oo:oo+k] = peer's in/out      (process_vm_readv, once the peer has entered)
-    write     peer's out[oo:oo+k] = inp[io:io+k] (process_vm_writev)
+    read      out[oo:oo+k] = peer's in/out      (process_vm_readv, once the peer has entered; a
+                                                memmove from the peer's registered buffer mapped here)
+    write     peer's out[oo:oo+k] = inp[io:io+k] (process_vm_writev; a memmove into a registered one)
     sync      arrive at each pair's count, then wait for the peers' (as ReadEngine._sync)
 
 A reducing call (all_reduce, reduce_scatter) runs here too, up to its reducing step: its row
 waits for the peers that step reads (and writes into: all_reduce's write_out_copy goes with it),
 checks that their buffers are plain and of this call's sizes, and returns REDUCE; Python runs the
 step in fetch_reduce's compiled loop (ReadEngine._fetch_step: ~50 us less a call than Python's
-steps) and calls again from the step after it.
+steps) and calls again from the step after it. Reductions on registered buffers keep Python's steps
+(numpy over the mapped views); the copy-only calls on them run here, their reads and writes a
+memmove through the table of the peers' allocations as this process maps them (maps()).
 
 The protocol is read_engine.py's, word for word, so a compiled rank and a Python one (the
 reference engine, RINGCOMM_ENGINE=python) work together. What the compiled function does not do
 it hands back to Python at the step where it stands, and ReadEngine._steps goes on from there:
 a wait that lasts longer than its spin budget (Python's waits yield, sleep on a futex, watch the
 deadline, abort() and liveness), a failed system call (Python does the step again and explains
-the error: a dead peer, a refused read), a peer whose buffer is registered (a mapped view, not
-CMA) or of another size (Python's error names it).
+the error: a dead peer, a refused read), a peer whose buffer is of another size or does not fit
+its allocation, or one this process has not mapped (Python's error names it), a plain buffer
+where CMA is off.
 
 libc's functions are called through their addresses (native_sync.call_c), passed in at run time,
 so the compiled code is cached on disk like the native engine's.
@@ -53,9 +57,16 @@ DONE, WAIT, HAND_BACK, REDUCE = 0, 1, 2, 3
 # where one array costs 0.09 (Intel VM; docs/06 "The copy-only read calls, compiled"). The block
 # names the call (its plan's rows and sync peers, where it starts, its buffers) and the engine's
 # arrays by address; whoever fills it keeps those arrays alive.
+# A call's part ends with its descriptor (A_KIN .. A_DOUT: DESC's first four words, the allocation
+# index and offset of a registered buffer, or -1 and the address of a plain one).
 A_ROWS, A_NROWS, A_SPEERS, A_NSPEERS, A_START, A_ARRIVED, A_CALLS, A_AIN, A_AOUT, A_NIN, A_NOUT, \
-    A_WORDS, A_NWORDS, A_PEERS, A_SYNCS, A_CONSTS, A_IOV, A_RES = range(18)
-ARGS = 18
+    A_KIN, A_DIN, A_KOUT, A_DOUT, A_WORDS, A_NWORDS, A_PEERS, A_SYNCS, A_CONSTS, A_IOV, A_MAPS, A_RES = range(23)
+ARGS = 23
+CALL_WORDS = slice(A_ROWS, A_DOUT + 1)   # what call_words() fills
+# The peers' registered allocations as this process maps them (maps()): word 0 counts the
+# allocations, then (base address, bytes) for (peer p, allocation k) at 1 + 2 * (p * MAP_CAP + k).
+# A call on a later allocation than MAP_CAP goes by Python's steps.
+MAP_CAP = 64
 COPY, READ, WRITE, SYNC_STEP, REDUCE_STEP = 0, 1, 2, 3, 4
 # A plan row: the schedule's step index, the kind, the peer, which buffer of the peer (0 its
 # input, 1 its output), the byte offset there (or in this rank's input for copy and write), the
@@ -64,8 +75,9 @@ COPY, READ, WRITE, SYNC_STEP, REDUCE_STEP = 0, 1, 2, 3, 4
 # WHICH 1 where the write_out_copy after it (of the same chunk) goes with it: it has no row.
 STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
 ROW = 9
-READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET, STREAM_MIN = \
-    range(12)  # constants()
+READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET, STREAM_MIN, \
+    CMA = range(13)  # constants()
+NCONSTS = 13
 # all_gather writes its block to each peer and copies it here a piece at a time (write_then_copy): the
 # copy reads the piece from cache. Two processes each moving their half of an all_gather's output,
 # numpy and CMA only: 16 MiB 1243 us reading the peer's block by CMA, then copying its own;
@@ -107,19 +119,20 @@ _lock = threading.Lock()
 _kernel = None
 
 
-def plan(sched, spans, size: int, me: int, pieces: bool = True):
+def plan(sched, spans, size: int, me: int, pieces: bool = True, by_cma: bool = True):
     """The rows of a read schedule, from its steps' element spans (read_engine.step_spans: input
     offset, length, output offset) and the element size. A reducing step is a REDUCE_STEP row that
     waits for its peers and hands the step to Python (with the write_out_copy of its chunk that
     follows it, where one does); None where a step reduces what it reads from outputs, or writes
     this rank's output chunk elsewhere (those stay in read_engine.py). ``pieces``: take a block's
     writes and its copy a piece at a time (write_then_copy); not for a call in place, whose copy is
-    none."""
+    none. ``by_cma``: the pieces' sizes for writes by process_vm_writev (plain buffers), else for
+    memmoves into registered ones (piece_bytes)."""
     rows, peers, steps, i = [], [], sched.steps, 0
     while i < len(steps):
         j = write_then_copy(steps, spans, i) if pieces else 0
         if j:
-            rows.extend(_pieces(steps, spans, i, j, size))
+            rows.extend(_pieces(steps, spans, i, j, size, by_cma))
             i = j + 1
             continue
         if steps[i].reduces and steps[i].reads != "out":
@@ -160,13 +173,13 @@ def _step_rows(step, i: int, span, size: int, me: int, peers: list) -> list:
     return [(i, READ, step.remote[0], 0, io, oo, nbytes, 0, 0)]
 
 
-def _pieces(steps, spans, i: int, j: int, size: int) -> list:
+def _pieces(steps, spans, i: int, j: int, size: int, by_cma: bool) -> list:
     """The rows of a write_then_copy run (steps i .. j - 1 write the block, step j copies it),
     piece by piece, all numbered step i."""
     io, nbytes, oo = (v * size for v in spans[j])
     rows = []
     writes = sum(len(steps[w].remote) for w in range(i, j))
-    piece = piece_bytes(True, nbytes, writes)   # the rows' writes are process_vm_writev
+    piece = piece_bytes(by_cma, nbytes, writes)
     for a in range(0, nbytes, piece):
         k = min(piece, nbytes - a)
         rows.extend((i, WRITE, q, 1, spans[w][2] * size + a, io + a, k, 0, 0)
@@ -197,20 +210,37 @@ class Prepared:
 
 
 def arguments(words: np.ndarray, peers: np.ndarray, syncs: np.ndarray, consts: np.ndarray, iov: np.ndarray,
-              res: np.ndarray) -> np.ndarray:
+              maps: np.ndarray, res: np.ndarray) -> np.ndarray:
     """An argument block with the engine's part filled in (A_WORDS ...): this rank's control words,
-    the peers' words' addresses, the sync counts, constants(), and the system call's and the
-    result's scratch. A call fills A_ROWS .. A_NOUT."""
+    the peers' words' addresses, the sync counts, constants(), the system call's scratch, the
+    peers' mapped allocations (maps()) and the result's scratch. A call fills CALL_WORDS."""
     a = np.zeros(ARGS, np.int64)
     a[A_WORDS:] = (words.ctypes.data, words.size, peers.ctypes.data, syncs.ctypes.data, consts.ctypes.data,
-                   iov.ctypes.data, res.ctypes.data)
+                   iov.ctypes.data, maps.ctypes.data, res.ctypes.data)
     return a
 
 
-def call_words(prepared: Prepared, calls: int, ain: int, aout: int, nin: int, nout: int) -> tuple:
-    """A call's part of the argument block, A_ROWS .. A_NOUT, for a call from its start: its plan,
-    its number (CALLS) and its buffers' addresses and byte counts."""
-    return (*prepared.head, -1, 0, calls, ain, aout, nin, nout)
+def maps(n: int) -> np.ndarray:
+    """An empty table of the peers' registered allocations (MAP_CAP); map() fills it."""
+    return np.zeros(1 + 2 * n * MAP_CAP, np.int64)
+
+
+def map_allocation(table: np.ndarray, k: int, bases: dict) -> None:
+    """Enter allocation k, mapped here at ``bases`` {peer: (address, bytes)}, in maps() ``table``,
+    then count it: a compiled call reads the count first."""
+    if k >= MAP_CAP:
+        return
+    for p, (base, size) in bases.items():
+        table[1 + 2 * (p * MAP_CAP + k):3 + 2 * (p * MAP_CAP + k)] = base, size
+    table[0] = max(int(table[0]), k + 1)
+
+
+def call_words(prepared: Prepared, calls: int, ain: int, aout: int, nin: int, nout: int,
+               desc: tuple | None = None) -> tuple:
+    """A call's part of the argument block, CALL_WORDS, for a call from its start: its plan, its
+    number (CALLS), its buffers' addresses and byte counts, and its descriptor (DESC's first four
+    words: (allocation, offset) of each registered buffer; by default, both plain)."""
+    return (*prepared.head, -1, 0, calls, ain, aout, nin, nout, *(desc or (-1, ain, -1, aout)))
 
 
 def write_then_copy(steps, spans, i: int) -> int:
@@ -229,18 +259,19 @@ def write_then_copy(steps, spans, i: int) -> int:
 
 
 def constants(n: int, me: int, budget: int, yields: int = 0) -> np.ndarray:
-    """What the compiled call needs to know besides the call (indexed by READV ... STREAM_MIN):
+    """What the compiled call needs to know besides the call (indexed by READV ... CMA):
     the addresses of process_vm_readv, process_vm_writev, syscall, memmove and sched_yield,
     futex's system call number, then the ranks, this rank, the spin budget (cycles), how many
     sched_yield()s a wait makes after it (ranks outnumbering cores: 0 spin, some yields) within
-    YIELD_S, and the local copies it streams past the caches (from stream_copy.STREAM_MIN_BYTES,
-    as Python's path does; 0: none, where streaming is off)."""
+    YIELD_S, the local copies it streams past the caches (from stream_copy.STREAM_MIN_BYTES, as
+    Python's path does; 0: none, where streaming is off), and whether plain buffers go by CMA (0
+    here: the engine sets it once the probe has said yes, plain_read.setup)."""
     fns = [native_sync.libc_address(f) for f in ("process_vm_readv", "process_vm_writev", "syscall", "memmove",
                                                   "sched_yield")]
     yield_budget = int(YIELD_S * native_sync.cycles_per_second()) if yields else 0
     stream_min = stream_copy.STREAM_MIN_BYTES if stream_copy.enabled() else 0
-    return np.array(fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget, yields, yield_budget, stream_min],
-                    np.int64)
+    return np.array(fns + [-1 if SYS_FUTEX is None else SYS_FUTEX, n, me, budget, yields, yield_budget, stream_min,
+                           0], np.int64)
 
 
 def kernel():
@@ -260,7 +291,7 @@ def kernel():
                 g = globals()
                 g["_carray"] = numba.carray
                 for name in ("_yield_until", "_wait_at_least", "_transfer", "_stream_bytes", "_copy", "_wake",
-                             "_sleep_flag", "_run_call"):
+                             "_sleep_flag", "_mapped", "_run_call"):
                     g[name] = jit(g[name])
                 compiled = numba.njit(types.int64(types.int64[::1]), nogil=True, cache=True)(_enter)
                 compiled.disable_compile()
@@ -309,12 +340,23 @@ def _wake(base, word, peers, n, me, consts):
             return
 
 
+def _mapped(table, q, k, where, nbytes):
+    """Where peer q's allocation k, from byte ``where`` on, is mapped here (maps()), if it holds
+    ``nbytes`` from there; else 0."""
+    if k < 0 or k >= min(table[0], MAP_CAP) or where < 0:
+        return 0
+    at = 1 + 2 * (q * MAP_CAP + k)
+    if where + nbytes > table[at + 1]:
+        return 0
+    return table[at] + where
+
+
 _carray = None   # numba.carray, set by kernel()
 
 
 def _enter(a):
     """_run_call over the arrays and values that argument block ``a`` names (arguments())."""
-    consts = _carray(native_sync.typed_ptr(a[A_CONSTS], a), STREAM_MIN + 1)
+    consts = _carray(native_sync.typed_ptr(a[A_CONSTS], a), NCONSTS)
     n = consts[NRANKS]
     rows = _carray(native_sync.typed_ptr(a[A_ROWS], a), (a[A_NROWS], ROW))
     speers = _carray(native_sync.typed_ptr(a[A_SPEERS], a), a[A_NSPEERS])
@@ -323,18 +365,21 @@ def _enter(a):
     syncs = _carray(native_sync.typed_ptr(a[A_SYNCS], a), n)
     iov = _carray(native_sync.typed_ptr(a[A_IOV], a), 4)
     res = _carray(native_sync.typed_ptr(a[A_RES], a), 2)
+    table = _carray(native_sync.typed_ptr(a[A_MAPS], a), 1 + 2 * n * MAP_CAP)
     return _run_call(rows, speers, a[A_START], a[A_ARRIVED] != 0, words, peers, a[A_CALLS], syncs, a[A_AIN],
-                     a[A_AOUT], a[A_NIN], a[A_NOUT], consts, iov, res)
+                     a[A_AOUT], a[A_NIN], a[A_NOUT], a[A_KIN:A_DOUT + 1],
+                     consts, iov, table, res)
 
 
-def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, consts, iov, res):
-    """One call from step ``start`` (-1: publish the descriptor first); DONE, or WAIT / HAND_BACK /
-    REDUCE with res = (the step to go on from, whether its sync arrivals are published).
-    ``consts``: constants()."""
+def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, desc, consts, iov,
+              table, res):
+    """One call from step ``start`` (-1: publish the descriptor ``desc`` first); DONE, or WAIT /
+    HAND_BACK / REDUCE with res = (the step to go on from, whether its sync arrivals are
+    published). ``consts``: constants(); ``table``: maps()."""
     base = words.ctypes.data
     n, me = consts[NRANKS], consts[ME]
     if start < 0:
-        words[DESC], words[DESC + 1], words[DESC + 2], words[DESC + 3] = -1, ain, -1, aout
+        words[DESC], words[DESC + 1], words[DESC + 2], words[DESC + 3] = desc[0], desc[1], desc[2], desc[3]
         words[DESC + 4], words[DESC + 5] = nin, nout
         native_sync.store_release(base + 8 * CALLS, calls)   # after the descriptor: peers may read it
         _wake(base, CALLS, peers, n, me, consts)
@@ -378,11 +423,21 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
             there = peers[q]
             if not _wait_at_least(there + 8 * CALLS, calls, consts):
                 return WAIT
-            if (native_sync.load_acquire(there + 8 * (DESC + 2 * which)) != -1
-                    or native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]):
-                return HAND_BACK          # registered, or another size: Python's path says so
+            k = native_sync.load_acquire(there + 8 * (DESC + 2 * which))
+            where = native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1))
+            if k != -1:   # registered: a memmove through this process's mapping of it
+                mapped = _mapped(table, q, k, where, mine[which])
+                if mapped == 0:
+                    return HAND_BACK      # not mapped here, or too small: Python's path says so
+                if kind == READ:
+                    _copy(aout + rows[r, HERE], mapped + rows[r, THERE], nbytes, consts)
+                else:
+                    _copy(mapped + rows[r, THERE], ain + rows[r, HERE], nbytes, consts)
+                continue
+            if consts[CMA] == 0 or native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]:
+                return HAND_BACK          # no CMA, or another size: Python's path says so
             pid = native_sync.load_acquire(there + 8 * PID)
-            remote = native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)) + rows[r, THERE]
+            remote = where + rows[r, THERE]
             if kind == READ:
                 ok = _transfer(consts[READV], pid, aout + rows[r, HERE], remote, nbytes, iov)
             else:

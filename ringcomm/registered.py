@@ -16,8 +16,10 @@ peers have unmapped it. Segment names leave /dev/shm before alloc returns: alloc
 every peer has mapped them (so a rank that closes at once cannot pull a name from under a slower
 peer), then unlinks them; if alloc fails, close, exit and SIGTERM unlink them (shm.unlink_named).
 
-The engine (read_engine.py) is Python: numpy over whole chunks, cut into cache-sized pieces where
-it reduces; the native engine does not run these steps.
+The engine (read_engine.py): on the native engine the calls that only copy (broadcast, all_gather)
+run compiled (read_native.py: a memmove through this process's mapping of each peer's allocation,
+read_native.maps()); reductions are Python's steps, numpy over whole chunks, cut into cache-sized
+pieces.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from ringcomm.transport import futex
 from ringcomm.transport.base import (PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key,
                                      waits_for_my_cpu)
 
-from . import plain_read
+from . import plain_read, read_native
 from .buffers import address
 from .catalogue import ALGOS
 from .errors import CollectiveTimeout, RingcommError
@@ -171,6 +173,8 @@ class Registry:
                                  f"and dtype, in the same order")
             self.map_ctl(p, theirs["ctl"])
             self.peers[p, k] = self._map(theirs["seg"], max(me["nbytes"], 1), p)
+        read_native.map_allocation(self.engine.maps, k, {p: (self.peers[p, k].base, self.peers[p, k].size)
+                                                         for p in self._others()})
         self._mapped_everywhere(k)
         return seg.bytes[:count * dtype.itemsize].view(dtype).reshape(shape)
 
@@ -200,6 +204,11 @@ class Registry:
             words = self.ctl.words
             words[0], words[PID] = MAGIC, os.getpid()
             self.named.append(self.ctl.path)
+
+    def exchanged(self) -> bool:
+        """Whether this rank's control segment and every peer's are mapped (CMA's probe or an
+        allocation maps them): the compiled read calls run on them."""
+        return self.ctl is not None and len(self._peer_ctls()) == self.n - 1
 
     def map_ctl(self, p: int, name: str) -> None:
         if (p, "ctl") not in self.peers:
@@ -367,6 +376,7 @@ class Registry:
             shm.unlink_tracked(path)
         self.named = []
         self._ctls = None   # publish()'s views of the peers' words: dropped, so their maps can close
+        self.engine.maps[0] = 0   # a compiled call would find no allocation mapped (none is called after close)
         for seg in self.peers.values():
             seg.close()
         self.peers.clear()

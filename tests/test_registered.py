@@ -485,29 +485,113 @@ def _large_copies(comm):
     """Copies big enough to stream (stream_copy.STREAM_MIN_BYTES): an all_gather's own block and
     its peer's, and a 2-rank broadcast's halves (the root writes one into the reader's buffer, the
     reader reads the other); a few odd elements over, so each copy has a partial last line.
-    Returns how many bytes were streamed, over the all_gather's block, and whether all were right."""
-    from ringcomm import stream_copy
+    Returns how many bytes Python's path streamed, over the all_gather's block, whether all were
+    right, the calls the compiled path handed back, and whether the engine is the native one."""
+    from ringcomm import native_sync, read_native, stream_copy
     count = stream_copy.STREAM_MIN_BYTES // 2 + 3   # bytes: twice the threshold, and 12 over
     n, r = comm.world_size, comm.rank
     x, out = comm.alloc(count, np.float32), comm.alloc(n * count + 1, np.float32)[1:]   # out: 4 bytes off a line
     x[...] = np.arange(count, dtype=np.float32) + r * count
+    eng = comm._registry.engine
+    comm.all_gather(x, out, algo="read")   # the first: the engine's compiled state, on the native engine
+    if eng.consts is not None:   # a peer late on a busy machine is waited for in compiled code, not by Python
+        eng.consts[read_native.BUDGET] = int(30 * native_sync.cycles_per_second())
     streamed, compiled = [0], stream_copy.kernel()
     stream_copy._kernel = lambda d, s: streamed.__setitem__(0, streamed[0] + d.nbytes) or compiled(d, s)
+    before = eng.handed_back
     comm.all_gather(x, out, algo="read")
     gathered = bool(np.array_equal(out, np.arange(n * count, dtype=np.float32)))
     comm.broadcast(x, root=1, algo="read")
     broadcast = bool(np.array_equal(x, np.arange(count, dtype=np.float32) + count))
     stream_copy._kernel = compiled
-    return round(streamed[0] / x.nbytes, 3), gathered, broadcast
+    return round(streamed[0] / x.nbytes, 3), gathered, broadcast, eng.handed_back - before, \
+        comm._executor.native is not None
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not __import__("ringcomm.stream_copy").stream_copy.enabled(),
                     reason="streamed copies are x86-64 only, and RINGCOMM_STREAM_COPY=0 turns them off")
 def test_large_copies_out_of_registered_buffers_stream_and_are_exact(pair):
-    # each rank: its own block into its peer's output and its own, in pieces that stream because
-    # the block is big, and one half of the broadcast (written or read)
-    assert pair.run(_large_copies, timeout=60) == [(2.5, True, True)] * 2
+    # the native engine: both calls in read_native's compiled call, whose copies through the
+    # peer's mapping stream there (read_native._copy, tests/test_stream_copy.py), none in Python
+    assert pair.run(_large_copies, timeout=60) == [(0.0, True, True, 0, True)] * 2
+    # Python's steps: each rank's own block into its peer's output and its own, in pieces that
+    # stream because the block is big, and one half of the broadcast (written or read)
+    with World(2, timeout=30, env={"RINGCOMM_ENGINE": "python"}) as w:
+        assert w.run(_large_copies, timeout=60) == [(2.5, True, True, 0, False)] * 2
+
+
+def _compiled_copies(comm):
+    """Registered broadcast and all_gather, forced onto "read", in and out of place and at an
+    offset into their allocations: each call must enter read_native's compiled call (counted),
+    and be exact. Returns (calls, compiled entries, errors)."""
+    from ringcomm import read_native
+    n, r = comm.world_size, comm.rank
+    comm.alloc(1, np.int8)   # (the registry, with its engine, comes with the first allocation)
+    compiled, entered = read_native.kernel(), [0]
+    read_native._kernel = lambda a: entered.__setitem__(0, entered[0] + 1) or compiled(a)
+    eng = comm._registry.engine
+    if eng.run_call is not None:
+        eng.run_call = read_native._kernel
+    errors, calls = [], 0
+    try:
+        for count in (1, 7, 1000, 70_001):
+            x = comm.alloc(count + 3, np.int32)[3:]          # 12 bytes into its allocation
+            out = comm.alloc(n * count, np.int32)
+            x[...] = np.arange(count) + 1000 * r
+            for root in range(n):
+                y = x.copy() if r == root else np.full(count, -1, np.int32)
+                x[...] = y
+                comm.broadcast(x, root=root, algo="read")
+                calls += 1
+                if not np.array_equal(x, np.arange(count) + 1000 * root):
+                    errors.append(f"broadcast {count} from {root}")
+                x[...] = np.arange(count) + 1000 * r
+            comm.all_gather(x, out, algo="read")
+            calls += 1
+            want = np.concatenate([np.arange(count) + 1000 * q for q in range(n)])
+            if not np.array_equal(out, want):
+                errors.append(f"all_gather {count}")
+            out[...] = -1
+            out[r * count:(r + 1) * count] = x
+            comm.all_gather(out[r * count:(r + 1) * count], out, algo="read")   # in place
+            calls += 1
+            if not np.array_equal(out, want):
+                errors.append(f"all_gather in place {count}")
+    finally:
+        read_native._kernel = compiled
+        if eng.run_call is not None:
+            eng.run_call = compiled
+    return calls, entered[0], errors
+
+
+@pytest.mark.timeout(120)
+def test_registered_copies_run_in_the_compiled_call_and_are_exact():
+    with World(3, timeout=60) as w:
+        results = w.run(_compiled_copies, timeout=90)
+    for r, (calls, entered, errors) in enumerate(results):
+        assert errors == [], f"rank {r}: {errors}"
+        assert entered >= calls, f"rank {r}: {calls} calls entered the compiled call {entered} times"
+
+
+def _too_big_for_the_peer(comm):
+    """Rank 1 passes the last half of its allocation where rank 0 passes the whole of its: rank 0's
+    compiled write into rank 1's buffer does not fit rank 1's allocation."""
+    a = comm.alloc(1000, np.float32)
+    x = a if comm.rank == 0 else a[500:]
+    try:
+        comm.broadcast(x, root=0, algo="read")
+        return "no error"
+    except ringcomm.RingcommError as e:
+        return str(e)
+
+
+@pytest.mark.timeout(120)
+def test_a_registered_buffer_that_does_not_fit_the_peers_allocation_is_an_error_on_both():
+    with World(2, timeout=10) as w:
+        got = w.run(_too_big_for_the_peer, timeout=60)
+    assert "rank 1's output of broadcast" in got[0] and "does not fit its allocation #0" in got[0], got
+    assert got[1] != "no error", got
 
 
 _KEPT = {}  # per rank process: arrays kept between two calls of a world
