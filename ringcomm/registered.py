@@ -44,29 +44,49 @@ from .read_engine import ReadEngine
 from .schedule.onecopy import ALGO
 
 MAGIC = 0x52434D5247310002  # "RCMRG1", layout version 2 (ctl_layout.py)
-# Below this, automatic choice keeps the FIFO algorithms even on registered buffers: a read call
-# pays ~20-40 us before its first byte (Python, the descriptor, two syncs), where the compiled FIFO
+# Below this (a call's bytes, as plain_read.wanted counts them), automatic choice keeps the FIFO
+# algorithms even on registered buffers. The reductions: a read call of theirs is Python's steps
+# and pays ~20-40 us before its first byte (the descriptor, two syncs), where the compiled FIFO
 # loop streams small calls in a few. Measured 2026-12-01, 2 ranks, registered buffers, read against
 # ring out of place, two runs each (ringcomm-bench C -b 32K -e 8M --registered --algo read,ring):
 # all_reduce 256 KiB 57-99 / 33-48 us, 1 MiB 86-122 / 84-98 (a tie), 2 MiB 138-197 / 151-170,
-# 4 MiB 237-333 / 351-421; all_gather, reduce_scatter and broadcast tie from 512 KiB to 1 MiB too,
-# and read wins from 2 MiB (broadcast 4 MiB 102-109 / 170-434 us). It was 32 KiB while the FIFO
-# path cost a Python round trip per slice (1 MiB all_reduce by the ring then: 457 us).
-READ_MIN_BYTES = 1 << 20
+# 4 MiB 237-333 / 351-421. The copies run compiled (read_native.py, memmoves through the peers'
+# mappings) and win from 4 KiB: Intel VM, 2026-12-04, 2 ranks, 30- and 200-call rows alternating
+# with MPICH, three runs, read against ring out of place (us): broadcast 1 KiB 1.67 / 1.70, 4 KiB
+# 1.88 / 2.20, 16 KiB 1.77 / 3.49, 256 KiB 4.22 / 15.39, 1 MiB 13.4 / 61.4, 4 MiB 147 / 313;
+# all_gather 1 KiB 1.82 / 2.00, 4 KiB 1.88 / 2.66, 64 KiB 3.14 / 6.30, 1 MiB 27.5 / 89.2, 4 MiB
+# 268 / 439 (before, in Python's steps, 1 MiB took 27 and 42 us: the bench's registered tables).
+READ_MIN_BYTES = {"broadcast": 4 << 10, "all_gather": 4 << 10, "all_reduce": 1 << 20, "reduce_scatter": 1 << 20,
+                  "reduce": 1 << 20}
+# With more ranks than cores, this much per rank a core holds (rounded up, as plain_read.wanted):
+# 4 ranks on 2 cores, same day, read against ring: broadcast 16 KiB 15.5 / 10.7 us, 64 KiB 14.0 /
+# 27.8, 256 KiB 18.6 / 88.4; all_gather 4 KiB 14.2 / 17.7 (level), 16 KiB 13.6 / 17.6, 64 KiB
+# 17.8 / 30.3. The reductions keep their figure.
+READ_MIN_STACKED_BYTES = {"broadcast": 32 << 10, "all_gather": 8 << 10}
+
+
+def read_min_bytes(collective: str, ranks: int) -> int:
+    """The bytes from which automatic choice takes "read" on registered buffers (READ_MIN_BYTES)."""
+    per_core = -(-ranks // plain_read.CORES)
+    if per_core > 1 and collective in READ_MIN_STACKED_BYTES:
+        return READ_MIN_STACKED_BYTES[collective] * per_core
+    return READ_MIN_BYTES.get(collective, 1 << 20)
+
+
 _serial = 0                  # segments this process has created
 
 
 def settle(reg, collective: str, algo: str, auto: bool, x, y, nbytes: int) -> str:
     """The algorithm to run. Chosen automatically: "read" when buf and out are registered, the
     collective has a read algorithm (all_to_all, gather and scatter have none) and the call moves
-    at least READ_MIN_BYTES, or for plain buffers that every peer can read by CMA where that beats
+    at least read_min_bytes(), or for plain buffers that every peer can read by CMA where that beats
     the FIFOs (plain_read.wanted); else never (a forced RINGCOMM_ALGO=read falls back to the ring
     there). Asked for by name: "read" on buffers that are not registered is a ValueError."""
     held = reg is not None and reg.holds(x, y)
     if auto:
         # cma_ok() is collective the first time: called on every rank for the same calls
         cma = reg is not None and plain_read.wanted(collective, nbytes, reg.n) and reg.cma_ok()
-        if (held and nbytes >= READ_MIN_BYTES and ALGO in ALGOS[collective]) or cma:
+        if (held and ALGO in ALGOS[collective] and nbytes >= read_min_bytes(collective, reg.n)) or cma:
             return ALGO
         return "ring" if algo == ALGO else algo
     if algo == ALGO and not held and not (reg is not None and reg.n == 1):  # one rank: a local copy

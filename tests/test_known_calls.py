@@ -133,7 +133,8 @@ def _registered(comm):
             x[...] = r + i
             comm.all_reduce(x)
             assert (x == n * (n - 1) / 2 + n * i).all()
-        res[count] = (len(comm._known.entries) - before, comm._registry.engine.calls - reads)
+        lane = comm._known.entries[id(x), id(out), ("all_gather", None)].lane
+        res[count] = (len(comm._known.entries) - before, comm._registry.engine.calls - reads, type(lane).__name__)
     return res
 
 
@@ -141,8 +142,10 @@ def _registered(comm):
 def test_calls_on_registered_buffers_are_remembered_and_keep_their_algorithm():
     with World(2, {}, timeout=30) as w:
         for res in w.run(_registered):
-            assert res[16] == (2, 0), res                 # remembered; the FIFOs below 1 MiB
-            assert res[1 << 18] == (2, 6), res            # remembered; every call read the peer
+            # remembered; the FIFOs below 4 KiB, a FIFO lane (engine_native.Lane) for the all_gather
+            assert res[16] == (2, 0, "Lane"), res
+            # remembered; every call read the peer, the all_gather down read_native's compiled lane
+            assert res[1 << 18] == (2, 6, "ReadLane"), res
 
 
 def test_a_known_call_carries_its_arrays_addresses():

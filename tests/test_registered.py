@@ -15,7 +15,7 @@ import ringcomm
 from cases import ALGOS, BLOCK_COLLECTIVES, COLLECTIVES, DTYPES, OPS, compare, make_input, reference, run_block_case
 from harness import World
 from ringcomm import catalogue
-from ringcomm.registered import READ_MIN_BYTES
+from ringcomm.registered import READ_MIN_BYTES, read_min_bytes
 from ringcomm.schedule import peer_read
 from ringcomm.schedule.onecopy import read_all_reduce, read_back_all_reduce
 from ringcomm.schedule.simulate import ScheduleError, check
@@ -333,7 +333,7 @@ def _misuse(comm):
             out[name] = "accepted"
         except (TypeError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e}"
-    big = comm.alloc(READ_MIN_BYTES // 4, np.float32)
+    big = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4, np.float32)
     calls = comm._registry.engine.calls
     comm.all_reduce(a)  # automatic choice: the ring below READ_MIN_BYTES, "read" from there
     comm.all_reduce(big)
@@ -369,12 +369,22 @@ def test_misuse_is_refused_before_any_byte_moves(pair):
         assert "alloc #2 has" in out["sizes"] and f"on rank {1 - r}" in out["sizes"]
 
 
+def test_registered_copies_take_read_from_a_few_kib_and_reductions_from_a_mib(monkeypatch):
+    # (the copies run compiled, through the peers' mappings; the reductions' read steps are Python's)
+    from ringcomm import plain_read
+    monkeypatch.setattr(plain_read, "CORES", 2)
+    assert read_min_bytes("broadcast", 2) == read_min_bytes("all_gather", 2) == 4 << 10
+    assert read_min_bytes("all_reduce", 2) == read_min_bytes("reduce_scatter", 4) == read_min_bytes("reduce", 3) \
+        == 1 << 20
+    assert read_min_bytes("broadcast", 4) == 64 << 10 and read_min_bytes("all_gather", 3) == 16 << 10
+
+
 def _async_group_and_blocks(comm):
     """Registered buffers in queued calls, in a group beside FIFO calls, and in all_to_all (which
     has no read algorithm: automatic choice must not pick one from READ_MIN_BYTES up)."""
     n, r, out = comm.world_size, comm.rank, {}
-    a = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
-    b = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
+    a = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4 * n, np.float32)
+    b = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4 * n, np.float32)
     calls = comm._registry.engine.calls
     a[:] = r + 1
     comm.all_reduce(a, async_op=True).wait()  # queued on the progress thread
@@ -677,8 +687,9 @@ def test_alloc_without_shared_memory_is_ordinary_memory(pair):
 
 
 def _mixed(comm, collective="all_reduce"):
-    a = comm.alloc(READ_MIN_BYTES // 4, np.float32)  # every rank allocates (collective) ...
+    a = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4, np.float32)  # every rank allocates (collective) ...
     part = comm.alloc(a.size // comm.world_size, np.float32)
+    whole = comm.alloc(a.size * comm.world_size, np.float32)
     a[:] = 1
     plain = comm.rank != 0                           # ... but rank 1 passes plain memory
     buf = np.ones(a.size, np.float32) if plain else a
@@ -686,8 +697,16 @@ def _mixed(comm, collective="all_reduce"):
     try:
         if collective == "all_reduce":
             comm.all_reduce(buf)
-        else:
+        elif collective == "reduce_scatter":
             comm.reduce_scatter(buf, out)
+            buf = out
+        elif collective == "broadcast":
+            buf[:] = comm.rank + 1
+            comm.broadcast(buf, root=1)
+        else:   # all_gather
+            out = np.empty(whole.size, np.float32) if plain else whole
+            buf[:] = 2
+            comm.all_gather(buf, out)
             buf = out
         return f"ran: {np.unique(buf).tolist()}"
     except ringcomm.RingcommError as e:
@@ -720,6 +739,10 @@ def test_a_rank_that_passes_plain_memory_is_a_timeout_that_says_why():
 
 @pytest.mark.skipif(not cma.available(), reason="no process_vm_readv in this libc (not Linux)")
 @pytest.mark.timeout(120)
-def test_registered_and_plain_buffers_mix_where_peers_read_plain_ones_by_cma():
-    with World(2, {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA_MIN": str(READ_MIN_BYTES)}, timeout=30) as w:
-        assert w.run(_mixed, timeout=60) == ["ran: [2.0]"] * 2
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "all_gather"])
+def test_registered_and_plain_buffers_mix_where_peers_read_plain_ones_by_cma(collective):
+    # rank 0 reads (and writes) rank 1's plain buffer by CMA, rank 1 rank 0's registered one
+    # through its mapping; the copies in read_native's compiled call on both
+    env = {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA_MIN": str(READ_MIN_BYTES["all_reduce"])}
+    with World(2, env, timeout=30) as w:
+        assert w.run(_mixed, collective, timeout=60) == ["ran: [2.0]"] * 2
