@@ -43,7 +43,7 @@ import numpy as np
 
 from ringcomm.kernels import native as native_kernels
 
-from . import ctl_layout, native_sync
+from . import ctl_layout, native_sync, peer_maps
 from .ctl_layout import DESC, PID
 
 INTO_OUT, SCRATCH, STREAM = range(3)   # how the output is built (``build``)
@@ -65,12 +65,13 @@ def loop(dtype):
                 native_sync.intrinsics()
                 native_sync.drop_stale_cache(__file__, "_step", deps=(native_kernels.__file__,))
                 # the block's reads of the peers' words inline ctl_layout's numbers
-                native_sync.drop_stale_cache(__file__, "_enter", deps=(native_kernels.__file__, ctl_layout.__file__))
+                native_sync.drop_stale_cache(__file__, "_enter", deps=(native_kernels.__file__, ctl_layout.__file__,
+                                                                       peer_maps.__file__))
                 reduce_into, _ = native_kernels.compiled()
                 globals()["_reduce_into"] = reduce_into
                 globals()["_carray"] = numba.carray
                 jit = numba.njit(nogil=True)
-                for name in ("_transfer", "_stream_bytes", "_operand"):
+                for name in ("_transfer", "_stream_bytes", "_operand", "_mapped"):
                     globals()[name] = jit(globals()[name])
                 globals()["_step_jit"] = step = numba.njit(nogil=True, cache=True)(_step)   # a version per storage dtype
                 globals()["_entry"] = numba.njit(nogil=True, cache=True)(_enter)
@@ -118,33 +119,39 @@ def _for(dtype) -> tuple:
 # B_OUT .. B_BUILD; the compiled entry reads each peer's pid and buffer address from its control
 # words itself (as read_native's rows do) and runs _step. run()'s twenty arguments, three
 # ``.ctypes.data`` and the Python that filled the peers' arrays cost ~6 us a call there.
-# Layout: the head (B_OUT .. B_OUT_OFF), then the m operands' control-word addresses (0: this
-# rank's input), the npush peers' ones, then room for the pids and addresses the entry fills in.
+# Layout: the head (B_OUT .. B_NRANKS), then the m operands' control-word addresses (0: this
+# rank's input), the npush peers' ones, their ranks (for the peer_maps table at B_MAPS), then room
+# for the pids and addresses the entry fills in (pid 0: a registered buffer, mapped at that address).
 B_OUT, B_OWN, B_INTO, B_BUILD, B_SIZE, B_OWN_J, B_SCRATCH, B_ROW, B_PIECE, B_OP, B_KIND16, B_READV, B_MEMMOVE, \
-    B_WRITEV, B_IOV, B_M, B_NPUSH, B_IN_OFF, B_OUT_OFF = range(19)
-HEAD = 19
+    B_WRITEV, B_IOV, B_M, B_NPUSH, B_IN_OFF, B_OUT_OFF, B_MAPS, B_NRANKS = range(21)
+HEAD = 21
 
 
 class Block:
     """A step's argument block (``words``) with what it names by address kept alive: the scratch
-    rows and the system call's iovec scratch; ``like`` picks the compiled step's version."""
+    rows, the system call's iovec scratch and the peer_maps table; ``like`` picks the compiled
+    step's version."""
 
-    __slots__ = ("words", "like", "scratch", "iov")
+    __slots__ = ("words", "like", "scratch", "iov", "maps")
 
     def __init__(self, dtype, op: str, size: int, own_j: int, ctl, push_ctl, in_off: int, out_off: int,
-                 scratch: np.ndarray, iov: np.ndarray):
+                 scratch: np.ndarray, iov: np.ndarray, ranks=(), maps: np.ndarray | None = None):
         """``size``: the step's elements; ``ctl``: each operand's control-word address (0 for
         ``own_j``, this rank's input), ``push_ctl`` each peer's the pieces are written into;
         ``in_off``, ``out_off``: the span's byte offset in the peers' inputs and outputs;
-        ``scratch``: (operands + 1) rows as run() takes them."""
+        ``scratch``: (operands + 1) rows as run() takes them; ``ranks``: the rank of each of
+        ``ctl`` then ``push_ctl`` and ``maps`` the peer_maps table, for peers that pass registered
+        buffers (none: every peer's buffers must be plain)."""
         step, like, kind16, readv, memmove, writev = _lookup(dtype)
         m, npush = len(ctl), len(push_ctl)
-        w = self.words = np.zeros(HEAD + 2 * (m + npush) + m + npush, np.int64)
+        maps = peer_maps.table(0) if maps is None else maps
+        w = self.words = np.zeros(HEAD + 4 * (m + npush), np.int64)
         w[B_SIZE:HEAD] = (size, own_j, scratch.ctypes.data, scratch.shape[1], scratch.shape[1],
                           native_kernels.OPCODES[op], kind16, readv, memmove, writev, iov.ctypes.data, m, npush,
-                          in_off, out_off)
+                          in_off, out_off, maps.ctypes.data, (maps.size - 1) // (2 * peer_maps.MAP_CAP))
         w[HEAD:HEAD + m + npush] = (*ctl, *push_ctl)
-        self.like, self.scratch, self.iov = like, scratch, iov
+        w[HEAD + m + npush:HEAD + 2 * (m + npush)] = tuple(ranks) or (0,) * (m + npush)
+        self.like, self.scratch, self.iov, self.maps = like, scratch, iov, maps
 
 
 def enter(block: Block) -> int:
@@ -167,11 +174,16 @@ _transfer = native_sync.transfer           # compiled by loop(), with the next t
 _stream_bytes = native_sync.stream_bytes
 
 
-def _operand(j, a, b, own_j, into, own, out, scratch, row):
-    """Operand j's piece [a, b): this rank's input, the output piece it was fetched into, or its
-    scratch row."""
+_mapped = peer_maps.mapped   # compiled by loop()
+
+
+def _operand(j, a, b, own_j, into, own, out, scratch, row, pids, addrs, like):
+    """Operand j's piece [a, b): this rank's input, a peer's registered buffer where this process
+    maps it (pid 0: read in place), the output piece it was fetched into, or its scratch row."""
     if j == own_j:
         return own[a:b]
+    if pids[j] == 0:
+        return _carray(native_sync.typed_ptr(addrs[j] + a * like.itemsize, like), b - a)
     if j == into:
         return out[a:b]
     return scratch[j * row:j * row + b - a]
@@ -189,7 +201,7 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
         b = min(a + piece, size)
         k = b - a
         for j in range(m):
-            if j == own_j:
+            if j == own_j or pids[j] == 0:   # (a registered operand is read where it is mapped)
                 continue
             dst = out_addr + a * item if j == into else scratch_addr + (j * row) * item
             if not _transfer(readv, pids[j], dst, addrs[j] + a * item, k * item, iov):
@@ -197,14 +209,17 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
                     native_sync.stream_fence()   # the pieces streamed so far, before Python's stores
                 return a
         acc = out[a:b] if build == INTO_OUT else scratch[m * row:m * row + k]
-        _reduce_into(acc, _operand(0, a, b, own_j, into, own, out, scratch, row),
-                     _operand(1, a, b, own_j, into, own, out, scratch, row), op, kind16)
+        _reduce_into(acc, _operand(0, a, b, own_j, into, own, out, scratch, row, pids, addrs, like),
+                     _operand(1, a, b, own_j, into, own, out, scratch, row, pids, addrs, like), op, kind16)
         for j in range(2, m):
-            _reduce_into(acc, acc, _operand(j, a, b, own_j, into, own, out, scratch, row), op, kind16)
+            _reduce_into(acc, acc, _operand(j, a, b, own_j, into, own, out, scratch, row, pids, addrs, like), op,
+                         kind16)
         built = out_addr + a * item if build == INTO_OUT else scratch_addr + (m * row) * item
         if unwritten < 0:   # to the peers (if any) while the piece is in cache
             for t in range(push_pids.size):
-                if not _transfer(writev, push_pids[t], built, push_addrs[t] + a * item, k * item, iov):
+                if push_pids[t] == 0:   # a registered output, mapped here
+                    native_sync.call_c(memmove, push_addrs[t] + a * item, built, k * item, 0, 0, 0)
+                elif not _transfer(writev, push_pids[t], built, push_addrs[t] + a * item, k * item, iov):
                     unwritten = a   # no more writes; the reduction goes on (in place it cannot be redone)
                     break
         if build != INTO_OUT:   # the piece built in scratch row m goes out
@@ -219,21 +234,33 @@ def _step(like, out_addr, size, own_addr, own_j, pids, addrs, scratch_addr, row,
 
 
 def _enter(like, w):
-    """_step over block ``w`` (Block): the peers' pids and addresses first, from their words."""
+    """_step over block ``w`` (Block): the peers' pids and addresses first, from their words (a
+    registered buffer's through the peer_maps table: pid 0). 0 where a registered one is not
+    mapped here (read_native's row checked it: not expected), before any piece: Python's steps
+    then run the step and say why."""
     m, npush = w[B_M], w[B_NPUSH]
-    ctl, fill = w[HEAD:HEAD + m + npush], w[HEAD + m + npush:]
+    ctl, ranks, fill = w[HEAD:HEAD + m + npush], w[HEAD + m + npush:HEAD + 2 * (m + npush)], w[HEAD + 2 * (m + npush):]
     pids, addrs = fill[:m], fill[m:2 * m]
     push_pids, push_addrs = fill[2 * m:2 * m + npush], fill[2 * m + npush:]
+    maps = _carray(native_sync.typed_ptr(w[B_MAPS], w), 1 + 2 * w[B_NRANKS] * peer_maps.MAP_CAP)
     for j in range(m + npush):
         c = ctl[j]
         if c == 0:
             continue
-        pid = native_sync.load_acquire(c + 8 * PID)
-        if j < m:
-            pids[j], addrs[j] = pid, native_sync.load_acquire(c + 8 * (DESC + 1)) + w[B_IN_OFF]
+        which = 0 if j < m else 1
+        k = native_sync.load_acquire(c + 8 * (DESC + 2 * which))
+        where = native_sync.load_acquire(c + 8 * (DESC + 2 * which + 1)) + (w[B_IN_OFF] if j < m else w[B_OUT_OFF])
+        pid = 0
+        if k == -1:
+            pid = native_sync.load_acquire(c + 8 * PID)
         else:
-            push_pids[j - m] = pid
-            push_addrs[j - m] = native_sync.load_acquire(c + 8 * (DESC + 3)) + w[B_OUT_OFF]
+            where = _mapped(maps, ranks[j], k, where, w[B_SIZE] * like.itemsize)
+            if where == 0:
+                return 0
+        if j < m:
+            pids[j], addrs[j] = pid, where
+        else:
+            push_pids[j - m], push_addrs[j - m] = pid, where
     iov = _carray(native_sync.typed_ptr(w[B_IOV], w), 4)
     return _step_jit(like, w[B_OUT], w[B_SIZE], w[B_OWN], w[B_OWN_J], pids, addrs, w[B_SCRATCH], w[B_ROW],
                      w[B_PIECE], w[B_OP], w[B_KIND16], w[B_INTO], w[B_BUILD], w[B_READV], w[B_MEMMOVE], iov,

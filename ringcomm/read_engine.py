@@ -27,7 +27,7 @@ from ringcomm.kernels import host as kernels
 from ringcomm.transport.base import Backoff, PeerGone, PeerTimeout
 from ringcomm.transport.cma import CmaError
 
-from . import fetch_reduce, native_sync, read_native, stream_copy
+from . import fetch_reduce, native_sync, peer_maps, read_native, stream_copy
 from .buffers import address
 from .ctl_layout import CALLS, DESC, PID, SYNC
 from .errors import RingcommError
@@ -175,7 +175,7 @@ class ReadEngine:
         self.syncs = np.zeros(reg.n, np.int64)   # syncs reached with each peer, as published in SYNC + p
         self.scratch: dict = {}              # dtype -> a piece-sized buffer (see _reduce)
         self.plans: dict = {}                # (id(schedule), m, itemsize) -> _Plan
-        self.maps = read_native.maps(reg.n)  # the peers' allocations as mapped here (Registry.alloc fills it)
+        self.maps = peer_maps.table(reg.n)   # the peers' allocations as mapped here (Registry.alloc fills it)
         self.peer_words = None               # the peers' control words' addresses (read_native)...
         # ...and the rest it needs (constants, scratch, the compiled call and its argument block,
         # read_native.arguments), made at first use
@@ -245,12 +245,9 @@ class ReadEngine:
         control segments exchanged (CMA's probe or an allocation), and a schedule whose steps copy
         (its large local copies stream past the caches there too: read_native._copy), from and into
         plain buffers by CMA or registered ones through their mappings, or reduce what they read
-        from plain inputs (each such step handed to _fetch_step; reductions on registered buffers
-        keep Python's steps)."""
+        from inputs (each such step handed to _fetch_step)."""
         reg = self.reg
         if ex.native is None or not reg.exchanged():
-            return None
-        if plan.reduces and desc is not None and (desc[0] != -1 or desc[2] != -1):
             return None
         if plan.native is False:
             made = read_native.plan(plan.sched, plan.spans, call.inp.itemsize, reg.rank, pieces=not plan.in_place,
@@ -297,10 +294,10 @@ class ReadEngine:
 
     def _fetch_step(self, ex, sched, call, plan: _Plan, ain: int, aout: int, i: int):
         """Reducing step i, where the compiled call stopped (every peer it reads, or writes into,
-        has entered the call with plain buffers of this call's sizes): fetch_reduce's loop, as
-        _reduce would run it (the same build, the same write of each piece into the peers with the
-        write_out_copy that follows: _push), without the views and Remotes, whose Python cost
-        ~50 us a call. The step to go on from in compiled code; None where Python's steps took the
+        has entered the call with buffers it can take: plain and of this call's sizes, or
+        registered and mapped here): fetch_reduce's loop, as _reduce would run it (the same build,
+        the same write of each piece into the peers with the write_out_copy that follows: _push),
+        without the views and Remotes, whose Python cost ~50 us a call. The step to go on from in compiled code; None where Python's steps took the
         rest of the call (a dtype the compiled loop does not take)."""
         steps, (io, k, oo) = sched.steps, plan.spans[i]
         fs = plan.fetch.get(i)
@@ -357,8 +354,12 @@ class ReadEngine:
         ctl = [0] * m
         for j, q in fs.remote:
             ctl[j] = int(self.peer_words[q])
-        return fetch_reduce.Block(dtype, op, k, fs.own_j, ctl, [int(self.peer_words[q]) for q in fs.pushed_into(op)],
-                                  io * size, oo * size, rows, self.iov)
+        push = fs.pushed_into(op)
+        ranks = [0] * m
+        for j, q in fs.remote:
+            ranks[j] = q
+        return fetch_reduce.Block(dtype, op, k, fs.own_j, ctl, [int(self.peer_words[q]) for q in push],
+                                  io * size, oo * size, rows, self.iov, (*ranks, *push), self.maps)
 
     def _handed_back(self) -> tuple[int, bool]:
         """Where Python goes on from a compiled call that did not finish: the step, and whether its

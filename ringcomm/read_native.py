@@ -17,11 +17,11 @@ call in one compiled function over a plan of rows, one per copy, read, write or 
 
 A reducing call (all_reduce, reduce_scatter) runs here too, up to its reducing step: its row
 waits for the peers that step reads (and writes into: all_reduce's write_out_copy goes with it),
-checks that their buffers are plain and of this call's sizes, and returns REDUCE; Python runs the
-step in fetch_reduce's compiled loop (ReadEngine._fetch_step: ~50 us less a call than Python's
-steps) and calls again from the step after it. Reductions on registered buffers keep Python's steps
-(numpy over the mapped views); the copy-only calls on them run here, their reads and writes a
-memmove through the table of the peers' allocations as this process maps them (maps()).
+checks that their buffers are plain and of this call's sizes (or registered and mapped here), and
+returns REDUCE; Python runs the step in fetch_reduce's compiled loop (ReadEngine._fetch_step:
+~50 us less a call than Python's steps) and calls again from the step after it. A peer's
+registered buffer is read or written through the table of the peers' allocations as this process
+maps them (peer_maps.py): a memmove, or an operand reduced where it lies.
 
 The protocol is read_engine.py's, word for word, so a compiled rank and a Python one (the
 reference engine, RINGCOMM_ENGINE=python) work together. What the compiled function does not do
@@ -44,7 +44,7 @@ import numpy as np
 from ringcomm.transport import futex
 from ringcomm.transport.futex import FUTEX_WAKE, SYS_FUTEX
 
-from . import ctl_layout, native_sync, stream_copy
+from . import ctl_layout, native_sync, peer_maps, stream_copy
 from .ctl_layout import CALLS, DESC, PID, SYNC
 
 # What the compiled call returns; res = (step, arrived) for the last three. REDUCE: it stands at
@@ -63,10 +63,6 @@ A_ROWS, A_NROWS, A_SPEERS, A_NSPEERS, A_START, A_ARRIVED, A_CALLS, A_AIN, A_AOUT
     A_KIN, A_DIN, A_KOUT, A_DOUT, A_WORDS, A_NWORDS, A_PEERS, A_SYNCS, A_CONSTS, A_IOV, A_MAPS, A_RES = range(23)
 ARGS = 23
 CALL_WORDS = slice(A_ROWS, A_DOUT + 1)   # what call_words() fills
-# The peers' registered allocations as this process maps them (maps()): word 0 counts the
-# allocations, then (base address, bytes) for (peer p, allocation k) at 1 + 2 * (p * MAP_CAP + k).
-# A call on a later allocation than MAP_CAP goes by Python's steps.
-MAP_CAP = 64
 COPY, READ, WRITE, SYNC_STEP, REDUCE_STEP = 0, 1, 2, 3, 4
 # A plan row: the schedule's step index, the kind, the peer, which buffer of the peer (0 its
 # input, 1 its output), the byte offset there (or in this rank's input for copy and write), the
@@ -213,26 +209,11 @@ def arguments(words: np.ndarray, peers: np.ndarray, syncs: np.ndarray, consts: n
               maps: np.ndarray, res: np.ndarray) -> np.ndarray:
     """An argument block with the engine's part filled in (A_WORDS ...): this rank's control words,
     the peers' words' addresses, the sync counts, constants(), the system call's scratch, the
-    peers' mapped allocations (maps()) and the result's scratch. A call fills CALL_WORDS."""
+    peers' mapped allocations (peer_maps) and the result's scratch. A call fills CALL_WORDS."""
     a = np.zeros(ARGS, np.int64)
     a[A_WORDS:] = (words.ctypes.data, words.size, peers.ctypes.data, syncs.ctypes.data, consts.ctypes.data,
                    iov.ctypes.data, maps.ctypes.data, res.ctypes.data)
     return a
-
-
-def maps(n: int) -> np.ndarray:
-    """An empty table of the peers' registered allocations (MAP_CAP); map() fills it."""
-    return np.zeros(1 + 2 * n * MAP_CAP, np.int64)
-
-
-def map_allocation(table: np.ndarray, k: int, bases: dict) -> None:
-    """Enter allocation k, mapped here at ``bases`` {peer: (address, bytes)}, in maps() ``table``,
-    then count it: a compiled call reads the count first."""
-    if k >= MAP_CAP:
-        return
-    for p, (base, size) in bases.items():
-        table[1 + 2 * (p * MAP_CAP + k):3 + 2 * (p * MAP_CAP + k)] = base, size
-    table[0] = max(int(table[0]), k + 1)
 
 
 def call_words(prepared: Prepared, calls: int, ain: int, aout: int, nin: int, nout: int,
@@ -286,12 +267,13 @@ def kernel():
                 from numba import types
                 native_sync.intrinsics()
                 # the control words' layout and futex's numbers are compiled in: an edit there is one here
-                native_sync.drop_stale_cache(__file__, "_enter", deps=(ctl_layout.__file__, futex.__file__))
+                native_sync.drop_stale_cache(__file__, "_enter", deps=(ctl_layout.__file__, futex.__file__,
+                                                                       peer_maps.__file__))
                 jit = numba.njit(nogil=True)
                 g = globals()
                 g["_carray"] = numba.carray
                 for name in ("_yield_until", "_wait_at_least", "_transfer", "_stream_bytes", "_copy", "_wake",
-                             "_sleep_flag", "_mapped", "_run_call"):
+                             "_sleep_flag", "_mapped", "_usable", "_run_call"):
                     g[name] = jit(g[name])
                 compiled = numba.njit(types.int64(types.int64[::1]), nogil=True, cache=True)(_enter)
                 compiled.disable_compile()
@@ -340,15 +322,17 @@ def _wake(base, word, peers, n, me, consts):
             return
 
 
-def _mapped(table, q, k, where, nbytes):
-    """Where peer q's allocation k, from byte ``where`` on, is mapped here (maps()), if it holds
-    ``nbytes`` from there; else 0."""
-    if k < 0 or k >= min(table[0], MAP_CAP) or where < 0:
-        return 0
-    at = 1 + 2 * (q * MAP_CAP + k)
-    if where + nbytes > table[at + 1]:
-        return 0
-    return table[at] + where
+_mapped = peer_maps.mapped   # compiled with the other helpers (kernel())
+
+
+def _usable(there, q, which, nbytes, table, consts):
+    """Whether peer q's input (``which`` 0) or output (1), of this call's ``nbytes`` here, can be
+    read or written from compiled code: registered and mapped here whole, or plain, of this size
+    and CMA on."""
+    k = native_sync.load_acquire(there + 8 * (DESC + 2 * which))
+    if k != -1:
+        return _mapped(table, q, k, native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)), nbytes) != 0
+    return consts[CMA] != 0 and native_sync.load_acquire(there + 8 * (DESC + 4 + which)) == nbytes
 
 
 _carray = None   # numba.carray, set by kernel()
@@ -365,7 +349,7 @@ def _enter(a):
     syncs = _carray(native_sync.typed_ptr(a[A_SYNCS], a), n)
     iov = _carray(native_sync.typed_ptr(a[A_IOV], a), 4)
     res = _carray(native_sync.typed_ptr(a[A_RES], a), 2)
-    table = _carray(native_sync.typed_ptr(a[A_MAPS], a), 1 + 2 * n * MAP_CAP)
+    table = _carray(native_sync.typed_ptr(a[A_MAPS], a), 1 + 2 * n * peer_maps.MAP_CAP)
     return _run_call(rows, speers, a[A_START], a[A_ARRIVED] != 0, words, peers, a[A_CALLS], syncs, a[A_AIN],
                      a[A_AOUT], a[A_NIN], a[A_NOUT], a[A_KIN:A_DOUT + 1],
                      consts, iov, table, res)
@@ -375,7 +359,7 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
               table, res):
     """One call from step ``start`` (-1: publish the descriptor ``desc`` first); DONE, or WAIT /
     HAND_BACK / REDUCE with res = (the step to go on from, whether its sync arrivals are
-    published). ``consts``: constants(); ``table``: maps()."""
+    published). ``consts``: constants(); ``table``: peer_maps.table()."""
     base = words.ctypes.data
     n, me = consts[NRANKS], consts[ME]
     if start < 0:
@@ -408,14 +392,14 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                 p = speers[j]
                 if not _wait_at_least(peers[p] + 8 * (SYNC + me), syncs[p], consts):
                     return WAIT
-        elif kind == REDUCE_STEP:   # every peer in, both its buffers plain and of this call's sizes
+        elif kind == REDUCE_STEP:   # every peer in, both its buffers ones fetch_reduce can take
             for j in range(rows[r, SPEERS], rows[r, SPEERS] + rows[r, NSPEERS]):
-                there = peers[speers[j]]
+                q = speers[j]
+                there = peers[q]
                 if not _wait_at_least(there + 8 * CALLS, calls, consts):
                     return WAIT
                 for which in range(2):
-                    if (native_sync.load_acquire(there + 8 * (DESC + 2 * which)) != -1
-                            or native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]):
+                    if not _usable(there, q, which, mine[which], table, consts):
                         return HAND_BACK
             return REDUCE
         else:

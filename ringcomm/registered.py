@@ -16,9 +16,10 @@ peers have unmapped it. Segment names leave /dev/shm before alloc returns: alloc
 every peer has mapped them (so a rank that closes at once cannot pull a name from under a slower
 peer), then unlinks them; if alloc fails, close, exit and SIGTERM unlink them (shm.unlink_named).
 
-The engine (read_engine.py): on the native engine the calls that only copy (broadcast, all_gather)
-run compiled (read_native.py: a memmove through this process's mapping of each peer's allocation,
-read_native.maps()); reductions are Python's steps, numpy over whole chunks, cut into cache-sized
+The engine (read_engine.py): on the native engine the calls run compiled (read_native.py: a
+memmove through this process's mapping of each peer's allocation, peer_maps.py; a reducing step
+in fetch_reduce's loop, which reduces the peers' operands where they are mapped); on the reference
+engine, and for reduce, they are Python's steps: numpy over whole chunks, cut into cache-sized
 pieces.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ from ringcomm.transport import futex
 from ringcomm.transport.base import (PATROL_PERIOD, Aborted, Backoff, PeerGone, PeerTimeout, pid_alive, wait_key,
                                      waits_for_my_cpu)
 
-from . import plain_read, read_native
+from . import peer_maps, plain_read
 from .buffers import address
 from .catalogue import ALGOS
 from .errors import CollectiveTimeout, RingcommError
@@ -45,24 +46,28 @@ from .schedule.onecopy import ALGO
 
 MAGIC = 0x52434D5247310002  # "RCMRG1", layout version 2 (ctl_layout.py)
 # Below this (a call's bytes, as plain_read.wanted counts them), automatic choice keeps the FIFO
-# algorithms even on registered buffers. The reductions: a read call of theirs is Python's steps
-# and pays ~20-40 us before its first byte (the descriptor, two syncs), where the compiled FIFO
-# loop streams small calls in a few. Measured 2026-12-01, 2 ranks, registered buffers, read against
-# ring out of place, two runs each (ringcomm-bench C -b 32K -e 8M --registered --algo read,ring):
-# all_reduce 256 KiB 57-99 / 33-48 us, 1 MiB 86-122 / 84-98 (a tie), 2 MiB 138-197 / 151-170,
-# 4 MiB 237-333 / 351-421. The copies run compiled (read_native.py, memmoves through the peers'
-# mappings) and win from 4 KiB: Intel VM, 2026-12-04, 2 ranks, 30- and 200-call rows alternating
-# with MPICH, three runs, read against ring out of place (us): broadcast 1 KiB 1.67 / 1.70, 4 KiB
-# 1.88 / 2.20, 16 KiB 1.77 / 3.49, 256 KiB 4.22 / 15.39, 1 MiB 13.4 / 61.4, 4 MiB 147 / 313;
-# all_gather 1 KiB 1.82 / 2.00, 4 KiB 1.88 / 2.66, 64 KiB 3.14 / 6.30, 1 MiB 27.5 / 89.2, 4 MiB
-# 268 / 439 (before, in Python's steps, 1 MiB took 27 and 42 us: the bench's registered tables).
-READ_MIN_BYTES = {"broadcast": 4 << 10, "all_gather": 4 << 10, "all_reduce": 1 << 20, "reduce_scatter": 1 << 20,
-                  "reduce": 1 << 20}
+# algorithms even on registered buffers. A read call runs compiled (read_native.py: memmoves
+# through the peers' mappings, and fetch_reduce's loop reducing the peers' operands where they are
+# mapped), yet pays two rendezvous that the FIFO loop's small calls do not. Intel VM, 2026-12-04,
+# 2 ranks, registered buffers, 30-call rows (200 below 16 KiB) alternating with MPICH, three runs,
+# read against ring out of place (us): broadcast 1 KiB 1.67 / 1.70, 4 KiB 1.88 / 2.20, 16 KiB
+# 1.77 / 3.49, 256 KiB 4.22 / 15.39, 1 MiB 13.4 / 61.4, 4 MiB 147 / 313; all_gather 1 KiB 1.82 /
+# 2.00, 4 KiB 1.88 / 2.66, 64 KiB 3.14 / 6.30, 1 MiB 27.5 / 89.2, 4 MiB 268 / 439; all_reduce
+# 4 KiB 4.80 / 3.56, 16 KiB 5.02 / 6.26, 256 KiB 10.1 / 28.5, 1 MiB 45.1 / 158, 4 MiB 355 / 657;
+# reduce_scatter 16 KiB 4.87 / 4.04, 64 KiB 5.48 / 6.15, 1 MiB 25.4 / 85.2. (Before, the read
+# calls on registered buffers were Python's steps, ~20-40 us before the first byte: 1 MiB took
+# 27, 42, 76 and 48 us, and every collective kept the FIFOs below 1 MiB.) reduce's read steps are
+# still Python's: level with the ring at 256 KiB-1 MiB, it keeps 1 MiB.
+READ_MIN_BYTES = {"broadcast": 4 << 10, "all_gather": 4 << 10, "all_reduce": 16 << 10,
+                  "reduce_scatter": 64 << 10, "reduce": 1 << 20}
 # With more ranks than cores, this much per rank a core holds (rounded up, as plain_read.wanted):
-# 4 ranks on 2 cores, same day, read against ring: broadcast 16 KiB 15.5 / 10.7 us, 64 KiB 14.0 /
-# 27.8, 256 KiB 18.6 / 88.4; all_gather 4 KiB 14.2 / 17.7 (level), 16 KiB 13.6 / 17.6, 64 KiB
-# 17.8 / 30.3. The reductions keep their figure.
-READ_MIN_STACKED_BYTES = {"broadcast": 32 << 10, "all_gather": 8 << 10}
+# 4 ranks on 2 cores, same day, read against ring (us): broadcast 16 KiB 15.5 / 10.7, 64 KiB 14.0
+# / 27.8, 256 KiB 18.6 / 88.4; all_gather 4 KiB 14.2 / 17.7 (level), 16 KiB 13.6 / 17.6, 64 KiB
+# 17.8 / 30.3; all_reduce 16 KiB 32.8 / 27.3, 64 KiB 42.0 / 48.5, 256 KiB 72.5 / 180, 1 MiB 305 /
+# 604; reduce_scatter 64 KiB 31.2 / 29.8 (in place 51.0 / 25.5), 256 KiB 43.4 / 60.7, 1 MiB 192 /
+# 277.
+READ_MIN_STACKED_BYTES = {"broadcast": 32 << 10, "all_gather": 8 << 10, "all_reduce": 32 << 10,
+                          "reduce_scatter": 128 << 10}
 
 
 def read_min_bytes(collective: str, ranks: int) -> int:
@@ -193,8 +198,8 @@ class Registry:
                                  f"and dtype, in the same order")
             self.map_ctl(p, theirs["ctl"])
             self.peers[p, k] = self._map(theirs["seg"], max(me["nbytes"], 1), p)
-        read_native.map_allocation(self.engine.maps, k, {p: (self.peers[p, k].base, self.peers[p, k].size)
-                                                         for p in self._others()})
+        peer_maps.enter(self.engine.maps, k, {p: (self.peers[p, k].base, self.peers[p, k].size)
+                                              for p in self._others()})
         self._mapped_everywhere(k)
         return seg.bytes[:count * dtype.itemsize].view(dtype).reshape(shape)
 

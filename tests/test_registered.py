@@ -279,18 +279,27 @@ def _matrix(comm, cases, others):
     area = comm.alloc(2 * 8 * BIG * comm.world_size + 64, np.uint8)
     assert area.flags.c_contiguous and not area.any()
     runs = _counting_native_runs(comm)
+    from ringcomm import fetch_reduce
     eng, pushed = comm._registry.engine, []
-    push = eng._push
-    eng._push = lambda *args: pushed.append(push(*args)) or pushed[-1]
+    push, enter = eng._push, fetch_reduce.enter
+
+    def python_push(*args):   # Python's steps: the peers' output chunks, or None
+        got = push(*args)
+        pushed.append(got is not None)
+        return got
+    eng._push = python_push
+    # the compiled step (read_native's REDUCE row, then fetch_reduce) writes the pieces itself
+    fetch_reduce.enter = lambda block: pushed.append(bool(block.words[fetch_reduce.B_NPUSH])) or enter(block)
     errors = []
     for c in cases:   # all_reduce's write_out_copy goes with its reducing step's pieces, but for AVG's
         before = len(pushed)
         errors.append(_run_case(comm, c, area))
-        went = [p is not None for p in pushed[before:]]
+        went = pushed[before:]
         if c["collective"] == "all_reduce" and c["count"] and went != [c["op"] != "avg"]:
             errors.append(f"{c}: the reduced pieces went to the peers as built: {went}")
     errors = [e for e in errors if e]
     del eng._push
+    fetch_reduce.enter = enter
     if runs[0]:
         errors.append(f"the native engine ran {runs[0]} read calls: they belong to read_engine.py")
     for case in others:
@@ -369,14 +378,15 @@ def test_misuse_is_refused_before_any_byte_moves(pair):
         assert "alloc #2 has" in out["sizes"] and f"on rank {1 - r}" in out["sizes"]
 
 
-def test_registered_copies_take_read_from_a_few_kib_and_reductions_from_a_mib(monkeypatch):
-    # (the copies run compiled, through the peers' mappings; the reductions' read steps are Python's)
+def test_registered_calls_take_read_from_a_few_kib_and_later_with_more_ranks_than_cores(monkeypatch):
+    # (measured: registered.READ_MIN_BYTES; reduce's read steps are Python's, from 1 MiB)
     from ringcomm import plain_read
     monkeypatch.setattr(plain_read, "CORES", 2)
     assert read_min_bytes("broadcast", 2) == read_min_bytes("all_gather", 2) == 4 << 10
-    assert read_min_bytes("all_reduce", 2) == read_min_bytes("reduce_scatter", 4) == read_min_bytes("reduce", 3) \
-        == 1 << 20
+    assert read_min_bytes("all_reduce", 2) == 16 << 10 and read_min_bytes("reduce_scatter", 2) == 64 << 10
+    assert read_min_bytes("reduce", 2) == read_min_bytes("reduce", 4) == 1 << 20
     assert read_min_bytes("broadcast", 4) == 64 << 10 and read_min_bytes("all_gather", 3) == 16 << 10
+    assert read_min_bytes("all_reduce", 4) == 64 << 10 and read_min_bytes("reduce_scatter", 4) == 256 << 10
 
 
 def _async_group_and_blocks(comm):
@@ -584,6 +594,58 @@ def test_registered_copies_run_in_the_compiled_call_and_are_exact():
         assert entered >= calls, f"rank {r}: {calls} calls entered the compiled call {entered} times"
 
 
+def _compiled_reductions(comm):
+    """Registered all_reduce and reduce_scatter, forced onto "read", in and out of place: each
+    call's reducing step must run in fetch_reduce's compiled loop (counted), operands read where
+    the peers' buffers are mapped, and be exact. Returns (reducing calls, compiled steps, errors)."""
+    from ringcomm import fetch_reduce, native_sync, read_native
+    n, r = comm.world_size, comm.rank
+    x = comm.alloc(5, np.float32)
+    comm.all_reduce(x, algo="read")   # the first: the engine's compiled state
+    eng = comm._registry.engine
+    hz = native_sync.cycles_per_second()   # a peer late on a busy machine is waited for in compiled code
+    eng.consts[[read_native.BUDGET, read_native.YIELDS, read_native.YIELD_BUDGET]] = int(1e-3 * hz), 10**9, int(30 * hz)
+    enter, steps = fetch_reduce.enter, [0]
+    fetch_reduce.enter = lambda block: steps.__setitem__(0, steps[0] + 1) or enter(block)
+    errors, calls = [], 0
+    try:
+        for count, dtype, op in ((1, np.int32, "max"), (7, np.float32, "sum"), (3000, np.float64, "prod"),
+                                 (70_001, np.float32, "sum"), (999, np.int64, "avg")):
+            x = comm.alloc(n * count + 1, dtype)[1:]   # one element into its allocation
+            out = comm.alloc(count, dtype)
+            base = np.arange(n * count, dtype=dtype) % 5 + 1
+            mine = [base * (q + 1) for q in range(n)]
+            want = {"sum": sum(mine), "max": mine[-1], "prod": np.prod(mine, axis=0),
+                    "avg": sum(mine) // n}[op].astype(dtype)
+            x[...] = mine[r]
+            comm.all_reduce(x, op=op, algo="read")
+            calls += 1
+            if not np.array_equal(x, want):
+                errors.append(f"all_reduce {count} {op}")
+            x[...] = mine[r]
+            comm.reduce_scatter(x, out, op=op, algo="read")
+            calls += 1
+            if not np.array_equal(out, want[r * count:(r + 1) * count]):
+                errors.append(f"reduce_scatter {count} {op}")
+            x[...] = mine[r]
+            comm.reduce_scatter(x, x[r * count:(r + 1) * count], op=op, algo="read")   # in place
+            calls += 1
+            if not np.array_equal(x[r * count:(r + 1) * count], want[r * count:(r + 1) * count]):
+                errors.append(f"reduce_scatter in place {count} {op}")
+    finally:
+        fetch_reduce.enter = enter
+    return calls, steps[0], errors
+
+
+@pytest.mark.timeout(120)
+def test_registered_reductions_run_in_the_compiled_loop_and_are_exact():
+    with World(3, timeout=60) as w:
+        results = w.run(_compiled_reductions, timeout=90)
+    for r, (calls, steps, errors) in enumerate(results):
+        assert errors == [], f"rank {r}: {errors}"
+        assert steps == calls, f"rank {r}: {calls} reducing calls, {steps} steps in the compiled loop"
+
+
 def _too_big_for_the_peer(comm):
     """Rank 1 passes the last half of its allocation where rank 0 passes the whole of its: rank 0's
     compiled write into rank 1's buffer does not fit rank 1's allocation."""
@@ -687,7 +749,8 @@ def test_alloc_without_shared_memory_is_ordinary_memory(pair):
 
 
 def _mixed(comm, collective="all_reduce"):
-    a = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4, np.float32)  # every rank allocates (collective) ...
+    # (big enough that registered buffers take "read" for each collective here: READ_MIN_BYTES)
+    a = comm.alloc(READ_MIN_BYTES["reduce_scatter"] // 4, np.float32)  # every rank allocates (collective) ...
     part = comm.alloc(a.size // comm.world_size, np.float32)
     whole = comm.alloc(a.size * comm.world_size, np.float32)
     a[:] = 1
@@ -725,7 +788,7 @@ def test_debug_check_names_a_rank_that_passes_plain_memory_its_peer_cannot_read(
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_passes_plain_memory_is_a_timeout_that_says_why():
-    # A 1 MiB reduce_scatter runs the read steps on registered buffers, the FIFO ring on plain ones
+    # A 64 KiB reduce_scatter runs the read steps on registered buffers, the FIFO ring on plain ones
     # where their CMA reads start higher up (by default they start at 1 MiB: here at 64 MiB), so the
     # two ranks run different algorithms. Each names the other within the timeout; the registered
     # side says what most likely happened.
@@ -743,6 +806,6 @@ def test_a_rank_that_passes_plain_memory_is_a_timeout_that_says_why():
 def test_registered_and_plain_buffers_mix_where_peers_read_plain_ones_by_cma(collective):
     # rank 0 reads (and writes) rank 1's plain buffer by CMA, rank 1 rank 0's registered one
     # through its mapping; the copies in read_native's compiled call on both
-    env = {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA_MIN": str(READ_MIN_BYTES["all_reduce"])}
+    env = {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA_MIN": str(READ_MIN_BYTES["reduce_scatter"])}
     with World(2, env, timeout=30) as w:
         assert w.run(_mixed, collective, timeout=60) == ["ran: [2.0]"] * 2
