@@ -86,6 +86,17 @@ def _other_collectives(comm):
     for _ in range(3):
         comm.reduce_scatter(blocks, scattered)
         assert (scattered == n * blocks[2 * r:2 * r + 2]).all(), scattered
+    part, total = np.zeros(3, np.int32), np.zeros(3, np.int32)
+    for root in (1, 1, 1, 0, 0, 0):           # reduce: each root its own entry
+        part[...] = r + 1
+        total[...] = -1
+        comm.reduce(part, root, out=total)
+        assert r != root or (total == n * (n + 1) // 2).all(), total
+    try:
+        comm.reduce(part, 1.0, out=total)     # as broadcast's: == 1, but no rank number
+        res["float_reduce_root"] = "no error"
+    except ValueError as e:
+        res["float_reduce_root"] = str(e)
     res["entries"] = (entries, len(comm._known.entries))
     out.flags.writeable = False               # the same out, now read-only
     try:
@@ -97,11 +108,12 @@ def _other_collectives(comm):
 
 
 @pytest.mark.timeout(60)
-def test_broadcast_all_gather_and_reduce_scatter_take_it_too():
+def test_broadcast_all_gather_reduce_scatter_and_reduce_take_it_too():
     with World(2, {}, timeout=30) as w:
         for res in w.run(_other_collectives):
-            assert res["entries"] == (1, 3), res
+            assert res["entries"] == (1, 5), res
             assert "out of range" in res["float_root"] or "broadcast root" in res["float_root"], res
+            assert "reduce root" in res["float_reduce_root"], res
             assert "read-only" in res["read_only_out"], res
 
 
