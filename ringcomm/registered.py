@@ -56,18 +56,20 @@ MAGIC = 0x52434D5247310002  # "RCMRG1", layout version 2 (ctl_layout.py)
 # 4 KiB 4.80 / 3.56, 16 KiB 5.02 / 6.26, 256 KiB 10.1 / 28.5, 1 MiB 45.1 / 158, 4 MiB 355 / 657;
 # reduce_scatter 16 KiB 4.87 / 4.04, 64 KiB 5.48 / 6.15, 1 MiB 25.4 / 85.2. (Before, the read
 # calls on registered buffers were Python's steps, ~20-40 us before the first byte: 1 MiB took
-# 27, 42, 76 and 48 us, and every collective kept the FIFOs below 1 MiB.) reduce's read steps are
-# still Python's: level with the ring at 256 KiB-1 MiB, it keeps 1 MiB.
+# 27, 42, 76 and 48 us, and every collective kept the FIFOs below 1 MiB.) reduce, whose root
+# reduces every peer's whole buffer alone while the ring spreads the work, wins only in a window:
+# out of place (in place) 64 KiB 6.00 (5.35) / 5.57 (5.22), 256 KiB 10.3 (8.9) / 16.0 (14.7),
+# 1 MiB 110 (43) / 96 (60), 4 MiB 531 (311) / 466 (314).
 READ_MIN_BYTES = {"broadcast": 4 << 10, "all_gather": 4 << 10, "all_reduce": 16 << 10,
-                  "reduce_scatter": 64 << 10, "reduce": 1 << 20}
+                  "reduce_scatter": 64 << 10, "reduce": 256 << 10}
 # With more ranks than cores, this much per rank a core holds (rounded up, as plain_read.wanted):
 # 4 ranks on 2 cores, same day, read against ring (us): broadcast 16 KiB 15.5 / 10.7, 64 KiB 14.0
 # / 27.8, 256 KiB 18.6 / 88.4; all_gather 4 KiB 14.2 / 17.7 (level), 16 KiB 13.6 / 17.6, 64 KiB
 # 17.8 / 30.3; all_reduce 16 KiB 32.8 / 27.3, 64 KiB 42.0 / 48.5, 256 KiB 72.5 / 180, 1 MiB 305 /
 # 604; reduce_scatter 64 KiB 31.2 / 29.8 (in place 51.0 / 25.5), 256 KiB 43.4 / 60.7, 1 MiB 192 /
-# 277.
+# 277; reduce 256 KiB 64.4 / 61.1, 1 MiB 581 (402) / 313 (262), 4 MiB 1105 (930) / 1017 (1031).
 READ_MIN_STACKED_BYTES = {"broadcast": 32 << 10, "all_gather": 8 << 10, "all_reduce": 32 << 10,
-                          "reduce_scatter": 128 << 10}
+                          "reduce_scatter": 128 << 10, "reduce": 2 << 20}
 
 
 def read_min_bytes(collective: str, ranks: int) -> int:
