@@ -646,6 +646,34 @@ def test_registered_reductions_run_in_the_compiled_loop_and_are_exact():
         assert steps == calls, f"rank {r}: {calls} reducing calls, {steps} steps in the compiled loop"
 
 
+def _past_the_table(comm):
+    """Allocation #MAP_CAP is not in the compiled calls' table (peer_maps): its calls hand back
+    to Python's steps, which read it through their views, exactly."""
+    from ringcomm import peer_maps
+    arrays = [comm.alloc(10, np.float32) for _ in range(peer_maps.MAP_CAP + 1)]
+    eng, r = comm._registry.engine, comm.rank
+    got = []
+    for k in (peer_maps.MAP_CAP - 1, peer_maps.MAP_CAP):
+        x = arrays[k]
+        before = eng.handed_back
+        x[...] = r + 1
+        comm.broadcast(x, root=1, algo="read")
+        ok = bool((x == 2).all())
+        x[...] = r + 1
+        comm.all_reduce(x, algo="read")
+        got.append((ok and bool((x == 3).all()), eng.handed_back - before))
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_an_allocation_past_the_compiled_table_goes_by_pythons_steps():
+    with World(2, timeout=30) as w:
+        for r, got in enumerate(w.run(_past_the_table, timeout=90)):
+            (in_table, handed_in), (past, handed_past) = got
+            assert in_table and past, got
+            assert handed_past >= 1, f"rank {r}: the call on the allocation past the table ran compiled: {got}"
+
+
 def _too_big_for_the_peer(comm):
     """Rank 1 passes the last half of its allocation where rank 0 passes the whole of its: rank 0's
     compiled write into rank 1's buffer does not fit rank 1's allocation."""
