@@ -613,13 +613,13 @@ class ReadEngine:
         at = DESC if which == "in" else DESC + 2
         k, off = int(words[at]), int(words[at + 1])
         arr = call.inp if which == "in" else call.out
+        nbytes = int(words[DESC + 4 + (which == "out")])
+        if nbytes != arr.nbytes:   # (registered too: a bigger write would land past the peer's buffer)
+            raise RingcommError(f"rank {self.reg.rank} (this process): rank {q}'s {which}put of {call.name} "
+                                f"#{call.seq} has {nbytes} bytes, this rank's {arr.nbytes}: the ranks "
+                                f"passed different sizes")
         if k == -1:  # a plain buffer in q's own memory: read by CMA, straight into this rank's output
-            nbytes = int(words[DESC + 4 + (which == "out")])
             got = views[q, which] = Remote(int(words[PID]), off, nbytes // arr.itemsize, arr.dtype, q)
-            if nbytes != arr.nbytes:
-                raise RingcommError(f"rank {self.reg.rank} (this process): rank {q}'s {which}put of {call.name} "
-                                    f"#{call.seq} has {nbytes} bytes, this rank's {arr.nbytes}: the ranks "
-                                    f"passed different sizes")
             return got
         seg = self.reg.peers.get((q, k))
         if seg is None or off + arr.nbytes > seg.size:

@@ -327,12 +327,14 @@ _mapped = peer_maps.mapped   # compiled with the other helpers (kernel())
 
 def _usable(there, q, which, nbytes, table, consts):
     """Whether peer q's input (``which`` 0) or output (1), of this call's ``nbytes`` here, can be
-    read or written from compiled code: registered and mapped here whole, or plain, of this size
-    and CMA on."""
+    read or written from compiled code: of this size, and registered and mapped here whole, or
+    plain with CMA on."""
+    if native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != nbytes:
+        return False
     k = native_sync.load_acquire(there + 8 * (DESC + 2 * which))
     if k != -1:
         return _mapped(table, q, k, native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)), nbytes) != 0
-    return consts[CMA] != 0 and native_sync.load_acquire(there + 8 * (DESC + 4 + which)) == nbytes
+    return consts[CMA] != 0
 
 
 _carray = None   # numba.carray, set by kernel()
@@ -409,6 +411,8 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                 return WAIT
             k = native_sync.load_acquire(there + 8 * (DESC + 2 * which))
             where = native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1))
+            if native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]:
+                return HAND_BACK          # another size: Python's path says so
             if k != -1:   # registered: a memmove through this process's mapping of it
                 mapped = _mapped(table, q, k, where, mine[which])
                 if mapped == 0:
@@ -418,8 +422,8 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                 else:
                     _copy(mapped + rows[r, THERE], ain + rows[r, HERE], nbytes, consts)
                 continue
-            if consts[CMA] == 0 or native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]:
-                return HAND_BACK          # no CMA, or another size: Python's path says so
+            if consts[CMA] == 0:
+                return HAND_BACK          # no CMA: Python's path says so
             pid = native_sync.load_acquire(there + 8 * PID)
             remote = where + rows[r, THERE]
             if kind == READ:

@@ -674,24 +674,29 @@ def test_an_allocation_past_the_compiled_table_goes_by_pythons_steps():
             assert handed_past >= 1, f"rank {r}: the call on the allocation past the table ran compiled: {got}"
 
 
-def _too_big_for_the_peer(comm):
-    """Rank 1 passes the last half of its allocation where rank 0 passes the whole of its: rank 0's
-    compiled write into rank 1's buffer does not fit rank 1's allocation."""
+def _another_size_than_the_peers(comm):
+    """Rank 1 passes the first half of its allocation where rank 0 passes the whole of its own: a
+    broadcast's root would write its half past rank 1's buffer, into the rest of the allocation.
+    Returns the error and whether that rest is untouched."""
     a = comm.alloc(1000, np.float32)
-    x = a if comm.rank == 0 else a[500:]
+    a[...] = -7
+    x = a if comm.rank == 0 else a[:500]
     try:
         comm.broadcast(x, root=0, algo="read")
-        return "no error"
+        said = "no error"
     except ringcomm.RingcommError as e:
-        return str(e)
+        said = str(e)
+    return said, bool((a[500:] == -7).all())
 
 
 @pytest.mark.timeout(120)
-def test_a_registered_buffer_that_does_not_fit_the_peers_allocation_is_an_error_on_both():
-    with World(2, timeout=10) as w:
-        got = w.run(_too_big_for_the_peer, timeout=60)
-    assert "rank 1's output of broadcast" in got[0] and "does not fit its allocation #0" in got[0], got
-    assert got[1] != "no error", got
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_registered_buffers_of_other_sizes_are_an_error_on_both_and_nothing_is_written_past_them(engine):
+    with World(2, {"RINGCOMM_ENGINE": engine}, timeout=10) as w:
+        got = w.run(_another_size_than_the_peers, timeout=60)
+    for r, (said, untouched) in enumerate(got):
+        assert "the ranks passed different sizes" in said and f"rank {1 - r}'s" in said, got
+        assert untouched, f"rank {r}: written past the buffer: {got}"
 
 
 _KEPT = {}  # per rank process: arrays kept between two calls of a world
