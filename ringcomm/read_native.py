@@ -353,8 +353,7 @@ def _enter(a):
     res = _carray(native_sync.typed_ptr(a[A_RES], a), 2)
     table = _carray(native_sync.typed_ptr(a[A_MAPS], a), 1 + 2 * n * peer_maps.MAP_CAP)
     return _run_call(rows, speers, a[A_START], a[A_ARRIVED] != 0, words, peers, a[A_CALLS], syncs, a[A_AIN],
-                     a[A_AOUT], a[A_NIN], a[A_NOUT], a[A_KIN:A_DOUT + 1],
-                     consts, iov, table, res)
+                     a[A_AOUT], a[A_NIN], a[A_NOUT], a[A_KIN:A_DOUT + 1], consts, iov, table, res)
 
 
 def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aout, nin, nout, desc, consts, iov,
@@ -394,7 +393,7 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                 p = speers[j]
                 if not _wait_at_least(peers[p] + 8 * (SYNC + me), syncs[p], consts):
                     return WAIT
-        elif kind == REDUCE_STEP:   # every peer in, both its buffers ones fetch_reduce can take
+        elif kind == REDUCE_STEP:   # every peer in, with buffers fetch_reduce can take (_usable)
             for j in range(rows[r, SPEERS], rows[r, SPEERS] + rows[r, NSPEERS]):
                 q = speers[j]
                 there = peers[q]
