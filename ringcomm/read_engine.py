@@ -297,8 +297,9 @@ class ReadEngine:
         has entered the call with buffers it can take: plain and of this call's sizes, or
         registered and mapped here): fetch_reduce's loop, as _reduce would run it (the same build,
         the same write of each piece into the peers with the write_out_copy that follows: _push),
-        without the views and Remotes, whose Python cost ~50 us a call. The step to go on from in compiled code; None where Python's steps took the
-        rest of the call (a dtype the compiled loop does not take)."""
+        without the views and Remotes, whose Python cost ~50 us a call. The step to go on from in
+        compiled code; None where Python's steps took the rest of the call (a dtype the compiled
+        loop does not take)."""
         steps, (io, k, oo) = sched.steps, plan.spans[i]
         fs = plan.fetch.get(i)
         if fs is None:

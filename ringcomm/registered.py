@@ -60,8 +60,11 @@ MAGIC = 0x52434D5247310002  # "RCMRG1", layout version 2 (ctl_layout.py)
 # reduces every peer's whole buffer alone while the ring spreads the work, wins only in a window:
 # out of place (in place) 64 KiB 6.00 (5.35) / 5.57 (5.22), 256 KiB 10.3 (8.9) / 16.0 (14.7),
 # 1 MiB 110 (43) / 96 (60), 4 MiB 531 (311) / 466 (314).
-READ_MIN_BYTES = {"broadcast": 4 << 10, "all_gather": 4 << 10, "all_reduce": 16 << 10,
-                  "reduce_scatter": 64 << 10, "reduce": 256 << 10}
+READ_MIN_BY_COLLECTIVE = {"broadcast": 4 << 10, "all_gather": 4 << 10, "all_reduce": 16 << 10,
+                          "reduce_scatter": 64 << 10, "reduce": 256 << 10}
+# The one crossover before (every collective), now the default for a collective not listed: from
+# it, with a core per rank, every collective with a read algorithm takes it on registered buffers.
+READ_MIN_BYTES = 1 << 20
 # With more ranks than cores, this much per rank a core holds (rounded up, as plain_read.wanted):
 # 4 ranks on 2 cores, same day, read against ring (us): broadcast 16 KiB 15.5 / 10.7, 64 KiB 14.0
 # / 27.8, 256 KiB 18.6 / 88.4; all_gather 4 KiB 14.2 / 17.7 (level), 16 KiB 13.6 / 17.6, 64 KiB
@@ -73,11 +76,12 @@ READ_MIN_STACKED_BYTES = {"broadcast": 32 << 10, "all_gather": 8 << 10, "all_red
 
 
 def read_min_bytes(collective: str, ranks: int) -> int:
-    """The bytes from which automatic choice takes "read" on registered buffers (READ_MIN_BYTES)."""
+    """The bytes from which automatic choice takes "read" on registered buffers
+    (READ_MIN_BY_COLLECTIVE, or READ_MIN_STACKED_BYTES a rank per core with more ranks than cores)."""
     per_core = -(-ranks // plain_read.CORES)
     if per_core > 1 and collective in READ_MIN_STACKED_BYTES:
         return READ_MIN_STACKED_BYTES[collective] * per_core
-    return READ_MIN_BYTES.get(collective, 1 << 20)
+    return READ_MIN_BY_COLLECTIVE.get(collective, READ_MIN_BYTES)
 
 
 _serial = 0                  # segments this process has created

@@ -15,7 +15,7 @@ import ringcomm
 from cases import ALGOS, BLOCK_COLLECTIVES, COLLECTIVES, DTYPES, OPS, compare, make_input, reference, run_block_case
 from harness import World
 from ringcomm import catalogue
-from ringcomm.registered import READ_MIN_BYTES, read_min_bytes
+from ringcomm.registered import READ_MIN_BY_COLLECTIVE, READ_MIN_BYTES, read_min_bytes
 from ringcomm.schedule import peer_read
 from ringcomm.schedule.onecopy import read_all_reduce, read_back_all_reduce
 from ringcomm.schedule.simulate import ScheduleError, check
@@ -342,9 +342,9 @@ def _misuse(comm):
             out[name] = "accepted"
         except (TypeError, ValueError) as e:
             out[name] = f"{type(e).__name__}: {e}"
-    big = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4, np.float32)
+    big = comm.alloc(READ_MIN_BYTES // 4, np.float32)
     calls = comm._registry.engine.calls
-    comm.all_reduce(a)  # automatic choice: the ring below READ_MIN_BYTES, "read" from there
+    comm.all_reduce(a)  # automatic choice: the ring for 64 bytes, "read" for READ_MIN_BYTES
     comm.all_reduce(big)
     out["auto"] = comm._registry.engine.calls - calls
     a[:] = comm.rank + 1
@@ -379,7 +379,7 @@ def test_misuse_is_refused_before_any_byte_moves(pair):
 
 
 def test_registered_calls_take_read_from_a_few_kib_and_later_with_more_ranks_than_cores(monkeypatch):
-    # (measured: registered.READ_MIN_BYTES)
+    # (measured: registered.READ_MIN_BY_COLLECTIVE)
     from ringcomm import plain_read
     monkeypatch.setattr(plain_read, "CORES", 2)
     assert read_min_bytes("broadcast", 2) == read_min_bytes("all_gather", 2) == 4 << 10
@@ -387,14 +387,16 @@ def test_registered_calls_take_read_from_a_few_kib_and_later_with_more_ranks_tha
     assert read_min_bytes("reduce", 2) == 256 << 10 and read_min_bytes("reduce", 4) == 4 << 20
     assert read_min_bytes("broadcast", 4) == 64 << 10 and read_min_bytes("all_gather", 3) == 16 << 10
     assert read_min_bytes("all_reduce", 4) == 64 << 10 and read_min_bytes("reduce_scatter", 4) == 256 << 10
+    # with a core per rank, every collective takes "read" from READ_MIN_BYTES (the one crossover before)
+    assert all(read_min_bytes(c, 2) <= READ_MIN_BYTES for c in READ_COLLECTIVES)
 
 
 def _async_group_and_blocks(comm):
     """Registered buffers in queued calls, in a group beside FIFO calls, and in all_to_all (which
     has no read algorithm: automatic choice must not pick one from READ_MIN_BYTES up)."""
     n, r, out = comm.world_size, comm.rank, {}
-    a = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4 * n, np.float32)
-    b = comm.alloc(READ_MIN_BYTES["all_reduce"] // 4 * n, np.float32)
+    a = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
+    b = comm.alloc(READ_MIN_BYTES // 4 * n, np.float32)
     calls = comm._registry.engine.calls
     a[:] = r + 1
     comm.all_reduce(a, async_op=True).wait()  # queued on the progress thread
@@ -782,8 +784,8 @@ def test_alloc_without_shared_memory_is_ordinary_memory(pair):
 
 
 def _mixed(comm, collective="all_reduce"):
-    # (big enough that registered buffers take "read" for each collective here: READ_MIN_BYTES)
-    a = comm.alloc(READ_MIN_BYTES["reduce_scatter"] // 4, np.float32)  # every rank allocates (collective) ...
+    # (big enough that registered buffers take "read" for each collective here)
+    a = comm.alloc(READ_MIN_BY_COLLECTIVE["reduce_scatter"] // 4, np.float32)  # every rank allocates ...
     part = comm.alloc(a.size // comm.world_size, np.float32)
     whole = comm.alloc(a.size * comm.world_size, np.float32)
     a[:] = 1
@@ -839,6 +841,6 @@ def test_a_rank_that_passes_plain_memory_is_a_timeout_that_says_why():
 def test_registered_and_plain_buffers_mix_where_peers_read_plain_ones_by_cma(collective):
     # rank 0 reads (and writes) rank 1's plain buffer by CMA, rank 1 rank 0's registered one
     # through its mapping; the copies in read_native's compiled call on both
-    env = {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA_MIN": str(READ_MIN_BYTES["reduce_scatter"])}
+    env = {"RINGCOMM_DEBUG": "check", "RINGCOMM_CMA_MIN": str(READ_MIN_BY_COLLECTIVE["reduce_scatter"])}
     with World(2, env, timeout=30) as w:
         assert w.run(_mixed, collective, timeout=60) == ["ran: [2.0]"] * 2
