@@ -67,10 +67,12 @@ COPY, READ, WRITE, SYNC_STEP, REDUCE_STEP = 0, 1, 2, 3, 4
 # A plan row: the schedule's step index, the kind, the peer, which buffer of the peer (0 its
 # input, 1 its output), the byte offset there (or in this rank's input for copy and write), the
 # byte offset here (this rank's output; its input for a write), the bytes, and a sync or reducing
-# step's peers as (start, count) in the plan's peer list. A reducing step's row (REDUCE_STEP) has
-# WHICH 1 where the write_out_copy after it (of the same chunk) goes with it: it has no row.
-STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS = range(9)
-ROW = 9
+# step's peers as (start, count) in the plan's peer list, and the bytes a local copy's streaming is
+# decided on (WHOLE: the whole block for a piece of one, as stream_copy.copy's ``whole``; else
+# NBYTES). A reducing step's row (REDUCE_STEP) has WHICH 1 where the write_out_copy after it (of the
+# same chunk) goes with it: it has no row.
+STEP, KIND, PEER, WHICH, THERE, HERE, NBYTES, SPEERS, NSPEERS, WHOLE = range(10)
+ROW = 10
 READV, WRITEV, SYSCALL, MEMMOVE, YIELD_FN, FUTEX, NRANKS, ME, BUDGET, YIELDS, YIELD_BUDGET, STREAM_MIN, \
     CMA = range(13)  # constants()
 NCONSTS = 13
@@ -136,7 +138,7 @@ def plan(sched, spans, size: int, me: int, pieces: bool = True, by_cma: bool = T
             both = set(steps[i].remote) | (set(steps[i + 1].remote) if pushed else set())
             others = sorted(both - {me})
             peers.extend(others)
-            rows.append((i, REDUCE_STEP, -1, int(pushed), 0, 0, 0, len(peers) - len(others), len(others)))
+            rows.append((i, REDUCE_STEP, -1, int(pushed), 0, 0, 0, len(peers) - len(others), len(others), 0))
             i += 2 if pushed else 1
             continue
         if steps[i].reduces or steps[i].kind == "write_out_copy":   # (a row's HERE is its input, for a write)
@@ -158,15 +160,15 @@ def _step_rows(step, i: int, span, size: int, me: int, peers: list) -> list:
     """Step i's rows (a sync's peers go on ``peers``)."""
     if step.kind == "sync":
         peers.extend(step.remote)
-        return [(i, SYNC_STEP, -1, 0, 0, 0, 0, len(peers) - len(step.remote), len(step.remote))]
+        return [(i, SYNC_STEP, -1, 0, 0, 0, 0, len(peers) - len(step.remote), len(step.remote), 0)]
     io, nbytes, oo = (v * size for v in span)   # in bytes
     if step.kind == "copy" or (not step.writes and step.reads != "out" and step.remote[0] == me):
-        return [(i, COPY, -1, 0, io, oo, nbytes, 0, 0)]   # (a "read" of this rank's own input: a copy)
+        return [(i, COPY, -1, 0, io, oo, nbytes, 0, 0, nbytes)]   # (a "read" of this rank's own input: a copy)
     if step.writes:
-        return [(i, WRITE, q, 1, oo, io, nbytes, 0, 0) for q in step.remote]
+        return [(i, WRITE, q, 1, oo, io, nbytes, 0, 0, nbytes) for q in step.remote]
     if step.reads == "out":
-        return [(i, READ, step.remote[0], 1, oo, oo, nbytes, 0, 0)]
-    return [(i, READ, step.remote[0], 0, io, oo, nbytes, 0, 0)]
+        return [(i, READ, step.remote[0], 1, oo, oo, nbytes, 0, 0, nbytes)]
+    return [(i, READ, step.remote[0], 0, io, oo, nbytes, 0, 0, nbytes)]
 
 
 def _pieces(steps, spans, i: int, j: int, size: int, by_cma: bool) -> list:
@@ -178,9 +180,9 @@ def _pieces(steps, spans, i: int, j: int, size: int, by_cma: bool) -> list:
     piece = piece_bytes(by_cma, nbytes, writes)
     for a in range(0, nbytes, piece):
         k = min(piece, nbytes - a)
-        rows.extend((i, WRITE, q, 1, spans[w][2] * size + a, io + a, k, 0, 0)
+        rows.extend((i, WRITE, q, 1, spans[w][2] * size + a, io + a, k, 0, 0, nbytes)
                     for w in range(i, j) for q in steps[w].remote)
-        rows.append((i, COPY, -1, 0, io + a, oo + a, k, 0, 0))
+        rows.append((i, COPY, -1, 0, io + a, oo + a, k, 0, 0, nbytes))
     return rows
 
 
@@ -301,10 +303,11 @@ _transfer = native_sync.transfer           # compiled with the other helpers (ke
 _stream_bytes = native_sync.stream_bytes   # likewise
 
 
-def _copy(dst, src, nbytes, consts):
-    """A local copy: memmove, or from STREAM_MIN bytes (where they do not overlap) streamed past
-    the caches (native_sync.stream_bytes), then a fence."""
-    if nbytes < consts[STREAM_MIN] or consts[STREAM_MIN] == 0 or (dst < src + nbytes and src < dst + nbytes):
+def _copy(dst, src, nbytes, whole, consts):
+    """A local copy of ``nbytes``: memmove, or where ``whole`` (the copy's, or the whole block's of
+    which it is a piece) holds STREAM_MIN bytes and they do not overlap, streamed past the caches
+    (native_sync.stream_bytes), then a fence."""
+    if whole < consts[STREAM_MIN] or consts[STREAM_MIN] == 0 or (dst < src + nbytes and src < dst + nbytes):
         native_sync.call_c(consts[MEMMOVE], dst, src, nbytes, 0, 0, 0)
         return
     _stream_bytes(dst, src, nbytes, consts[MEMMOVE])
@@ -379,7 +382,7 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
         if kind == COPY:
             src, dst = ain + rows[r, THERE], aout + rows[r, HERE]
             if nbytes > 0 and src != dst:
-                _copy(dst, src, nbytes, consts)
+                _copy(dst, src, nbytes, rows[r, WHOLE], consts)
         elif kind == SYNC_STEP:
             first, count = rows[r, SPEERS], rows[r, NSPEERS]
             if not (arrived and step == start):
@@ -417,9 +420,9 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                 if mapped == 0:
                     return HAND_BACK      # not mapped here, or too small: Python's path says so
                 if kind == READ:
-                    _copy(aout + rows[r, HERE], mapped + rows[r, THERE], nbytes, consts)
+                    _copy(aout + rows[r, HERE], mapped + rows[r, THERE], nbytes, rows[r, WHOLE], consts)
                 else:
-                    _copy(mapped + rows[r, THERE], ain + rows[r, HERE], nbytes, consts)
+                    _copy(mapped + rows[r, THERE], ain + rows[r, HERE], nbytes, rows[r, WHOLE], consts)
                 continue
             if consts[CMA] == 0:
                 return HAND_BACK          # no CMA: Python's path says so

@@ -66,7 +66,7 @@ def test_the_compiled_read_calls_copy_streams_the_same_bytes_by_address(dst_off,
     rng = np.random.default_rng(nbytes + 7 * dst_off + src_off)
     src_all = rng.integers(0, 256, nbytes + 128, dtype=np.uint8)
     dst_all = np.zeros(nbytes + 128, np.uint8)
-    rn._copy(dst_all.ctypes.data + dst_off, src_all.ctypes.data + src_off, nbytes, consts)
+    rn._copy(dst_all.ctypes.data + dst_off, src_all.ctypes.data + src_off, nbytes, nbytes, consts)
     np.testing.assert_array_equal(dst_all[dst_off:dst_off + nbytes], src_all[src_off:src_off + nbytes])
     assert not dst_all[:dst_off].any() and not dst_all[dst_off + nbytes:].any()   # nothing outside
 
@@ -78,6 +78,21 @@ def test_the_compiled_read_calls_copy_of_overlapping_bytes_is_a_memmove():
     consts[rn.STREAM_MIN] = 1
     buf = np.arange(5000, dtype=np.uint8)
     want = buf[:4000].copy()
-    rn._copy(buf.ctypes.data + 100, buf.ctypes.data, 4000, consts)   # forward overlap: streaming would smear it
+    rn._copy(buf.ctypes.data + 100, buf.ctypes.data, 4000, 4000, consts)   # forward overlap: streaming would smear it
     np.testing.assert_array_equal(buf[100:4100], want)
     assert rn.constants(2, 0, 0)[rn.STREAM_MIN] == stream_copy.STREAM_MIN_BYTES
+
+
+def test_the_compiled_pieces_of_a_big_block_stream_as_pythons_do():
+    """A registered all_gather's block goes in 1 MiB pieces (memmoves into the peer, then the copy
+    here); each piece row carries the whole block's bytes (WHOLE), on which streaming is decided,
+    as Python's path passes ``whole`` to stream_copy.copy: a 32 MiB block's pieces stream."""
+    from ringcomm import read_native as rn
+    from ringcomm.read_engine import step_spans
+    from ringcomm.schedule.onecopy import read_all_gather
+    block = 4 * stream_copy.STREAM_MIN_BYTES
+    sched = read_all_gather(0, 2)
+    rows, _ = rn.plan(sched, step_spans(sched, block // 4), 4, 0, by_cma=False)   # its input: one block
+    pieces = rows[(rows[:, rn.KIND] == rn.WRITE) | (rows[:, rn.KIND] == rn.COPY)]
+    assert len(pieces) == 2 * block // rn.WRITE_PIECE_BYTES
+    assert (pieces[:, rn.NBYTES] == rn.WRITE_PIECE_BYTES).all() and (pieces[:, rn.WHOLE] == block).all()
