@@ -107,6 +107,39 @@ def _other_collectives(comm):
     return res
 
 
+def _rooted(comm):
+    """gather and scatter, each root three times: remembered per root (on the ranks that pass
+    buf=None to scatter, by their out), right every time, and a changed call still checked."""
+    r, n = comm.rank, comm.world_size
+    mine, whole, part = np.zeros(3, np.int32), np.zeros(3 * n, np.int32), np.zeros(3, np.int32)
+    send = np.arange(3 * n, dtype=np.int32)
+    before = len(comm._known.entries)
+    for root in (1, 1, 1, 0, 0, 0):
+        mine[...] = r + 10
+        whole[...] = -1
+        comm.gather(mine, whole if r == root else None, root)
+        assert r != root or whole.tolist() == [q + 10 for q in range(n) for _ in range(3)], whole
+        part[...] = -1
+        comm.scatter(send if r == root else None, part, root)
+        assert part.tolist() == list(range(3 * r, 3 * r + 3)), part
+    res = {"entries": len(comm._known.entries) - before, "non_root_out": None}
+    if r == 0:   # no root here: passing out is an error (before any byte moves), remembered calls or not
+        try:
+            comm.gather(mine, whole, 1)
+            res["non_root_out"] = "no error"
+        except ValueError as e:
+            res["non_root_out"] = str(e)
+    return res
+
+
+@pytest.mark.timeout(60)
+def test_gather_and_scatter_take_it_too():
+    with World(2, {}, timeout=30) as w:
+        for r, res in enumerate(w.run(_rooted)):
+            assert res["entries"] == 4, res              # gather and scatter, two roots each
+            assert r == 1 or "only the root" in res["non_root_out"], res
+
+
 @pytest.mark.timeout(60)
 def test_broadcast_all_gather_reduce_scatter_and_reduce_take_it_too():
     with World(2, {}, timeout=30) as w:
