@@ -162,10 +162,19 @@ class Communicator:
         comes from rank i. With send_counts and recv_counts (both, world_size ints each): the blocks
         are packed in rank order, buf.size == sum(send_counts), out.size == sum(recv_counts), and
         rank i's send_counts[j] must be rank j's recv_counts[i]. out may not overlap buf."""
+        args = ("all_to_all", algo)   # equal blocks only: packed counts take the checked path every time
+        equal = send_counts is None and recv_counts is None
+        known = self._known.get(buf, out, args) if equal else None
+        if known is not None:
+            x = _flat(buf)
+            self._run_known(known, "all_to_all", x, _flat(out), x.size // self.world_size, None)
+            return out
         x, y, m, blocks = vcounts.all_to_all_args(buf, out, send_counts, recv_counts, self.rank, self.world_size)
         if blocks is not None:
             algo = vcounts.direct_algo(algo, self._forced_algo, self.world_size)
-        self._run("all_to_all", algo, x, y, m, "sum", None, x.nbytes, blocks)
+        picked, sched = self._run("all_to_all", algo, x, y, m, "sum", None, x.nbytes, blocks)
+        if equal:
+            self._known.remember(buf, out, args, "sum", picked, sched)
         return out
 
     @asyncable

@@ -132,6 +132,31 @@ def _rooted(comm):
     return res
 
 
+def _exchanges(comm):
+    """all_to_all: equal blocks remembered and right on every repeat; packed counts (a table per
+    call) never remembered, right all the same."""
+    r, n = comm.rank, comm.world_size
+    send, got = np.zeros(2 * n, np.int32), np.zeros(2 * n, np.int32)
+    before = len(comm._known.entries)
+    for i in range(3):
+        send[...] = np.arange(2 * n) + 100 * r + i      # block j goes to rank j
+        comm.all_to_all(send, got)
+        assert got.tolist() == [100 * q + 2 * r + k + i for q in range(n) for k in range(2)], got
+    equal = len(comm._known.entries) - before
+    counts, packed_send, packed_got = (1,) * n, send[:n], got[:n]   # the same objects every time
+    for i in range(3):
+        packed_send[...] = np.arange(n) + 10 * r + i
+        comm.all_to_all(packed_send, packed_got, send_counts=counts, recv_counts=counts)
+        assert packed_got.tolist() == [10 * q + r + i for q in range(n)], got
+    return equal, len(comm._known.entries) - before - equal
+
+
+@pytest.mark.timeout(60)
+def test_all_to_all_takes_it_with_equal_blocks_only():
+    with World(2, {}, timeout=30) as w:
+        assert w.run(_exchanges) == [(1, 0)] * 2
+
+
 @pytest.mark.timeout(60)
 def test_gather_and_scatter_take_it_too():
     with World(2, {}, timeout=30) as w:
