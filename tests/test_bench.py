@@ -566,3 +566,25 @@ def test_runs_print_medians_and_each_rows_spread(tmp_path):
         for key in ("oop", "ip"):
             assert len(row[key]["run_seconds"]) == 3
             assert row[key]["seconds"] == sorted(row[key]["run_seconds"])[1]
+
+
+def test_damon_monitors_that_run_are_named_and_stopped_ones_are_not(tmp_path):
+    from ringcomm.bench import machine
+
+    def monitor(k, state, ops, actions):
+        ctx = tmp_path / str(k) / "contexts" / "0"
+        (ctx / "schemes").mkdir(parents=True)
+        (tmp_path / str(k) / "state").write_text(state + "\n")
+        (tmp_path / str(k) / "contexts" / "nr_contexts").write_text("1\n")
+        (ctx / "operations").write_text(ops + "\n")
+        (ctx / "schemes" / "nr_schemes").write_text(f"{len(actions)}\n")
+        for i, action in enumerate(actions):
+            (ctx / "schemes" / str(i)).mkdir()
+            (ctx / "schemes" / str(i) / "action").write_text(action + "\n")
+
+    (tmp_path / "nr_kdamonds").write_text("3\n")
+    monitor(0, "on", "paddr", ["pageout"])
+    monitor(1, "off", "vaddr", ["hugepage"])
+    monitor(10, "on", "vaddr", ["stat", "lru_prio"])
+    assert machine.damon_schemes(str(tmp_path)) == ["paddr pageout", "vaddr stat lru_prio"]
+    assert machine.damon_schemes(str(tmp_path / "absent")) == []

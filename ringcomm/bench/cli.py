@@ -155,6 +155,10 @@ def _table(a, mine, peers, skipped, memcpy, facts) -> list[str]:
         facts["cores"], facts["cores_usable"], facts["python"], facts["numpy"],
         "n/a" if facts["loadavg_at_start"] is None else "%.2f" % facts["loadavg_at_start"][0]))
     lines.append("# memcpy (one core, 64 MiB, measured in this run): %.2f GB/s" % memcpy)
+    if facts.get("damon"):
+        lines.append("# DAMON is on (%s): its kernel thread takes a core from a rank now and then (on the "
+                     "2-core dev VM ~1 ms every 0.5 s); a short run it lands in is slow (docs/06)"
+                     % ", ".join(facts["damon"]))
     trips = [("ringcomm" if name is None else name, run.get("round_trip_ns") or [None, None])
              for name, run in [(None, mine), *peers.items()]]
     if any(t is not None for _, pair in trips for t in pair):

@@ -23,6 +23,44 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+DAMON_KDAMONDS = "/sys/kernel/mm/damon/admin/kdamonds"
+
+
+def damon_schemes(root: str = DAMON_KDAMONDS) -> list[str]:
+    """The actions of the running DAMON monitors (e.g. ["paddr pageout"]); [] where none runs or
+    the kernel has none.
+
+    DAMON's kernel thread (kdamond) wakes on its own schedule and takes a core for as long as its
+    quota allows. With a busy rank on every core it preempts one of them: on the 2-core dev VM a
+    rank lost its core for ~1 ms every ~0.51 s (perf's sched_switch, docs/06 "Slow runs"), which
+    is a run of 30 small calls made 10x slower. A table that shows such runs names the cause."""
+    found = []
+    for base in _subdirs(root):
+        try:
+            with open(os.path.join(base, "state")) as f:
+                if f.read().strip() != "on":
+                    continue
+            for ctx in _subdirs(os.path.join(base, "contexts")):
+                with open(os.path.join(ctx, "operations")) as f:
+                    ops = f.read().strip()
+                actions = []
+                for scheme in _subdirs(os.path.join(ctx, "schemes")):
+                    with open(os.path.join(scheme, "action")) as f:
+                        actions.append(f.read().strip())
+                found.append(" ".join([ops, *actions]))
+        except OSError:
+            continue
+    return found
+
+
+def _subdirs(path: str) -> list[str]:
+    """The numbered entries of a DAMON sysfs directory (its nr_* files left out)."""
+    try:
+        return [os.path.join(path, n) for n in sorted(os.listdir(path), key=lambda n: (len(n), n)) if n.isdigit()]
+    except OSError:
+        return []
+
+
 def facts() -> dict:
     try:
         usable = len(os.sched_getaffinity(0))
@@ -36,7 +74,7 @@ def facts() -> dict:
     return {"host": socket.gethostname(), "cpu": cpu_model(), "cores": os.cpu_count(),
             "cores_usable": usable, "machine": platform.machine(), "os": platform.platform(),
             "python": sys.version.split()[0], "numpy": np.__version__, "ringcomm": ringcomm.__version__,
-            "loadavg_at_start": load}
+            "loadavg_at_start": load, "damon": damon_schemes()}
 
 
 def memcpy_gbps(nbytes: int = MEMCPY_BYTES, repeat: int = 5) -> float:
