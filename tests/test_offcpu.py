@@ -2,6 +2,13 @@
 from the dev VM, trimmed to what the reader needs)."""
 from __future__ import annotations
 
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
 from ringcomm.bench import offcpu
 
 TRACE = """\
@@ -51,3 +58,18 @@ def test_named_threads_replace_the_busiest(tmp_path, capsys):
     assert out[0] == "ranks' threads: [27601]"
     assert out[-1].startswith("2 stretches")   # 27601's: the sleep, then the preemption by 27600 (not a rank now)
     assert "python3 x1" in out[2]
+
+
+@pytest.mark.timeout(120)
+def test_slow_calls_example_times_every_call_and_checks_its_result():
+    """examples/slow_calls.py, the probe docs/06 "Slow runs" quotes, under the launcher: each rank's
+    summary line, and the result it checked (a wrong one exits non-zero)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", "examples/slow_calls.py",
+                          "--calls", "3000", "--over-us", "0", "--show", "2"],
+                         capture_output=True, text=True, timeout=110, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    for rank in (0, 1):
+        summary = re.search(rf"rank {rank}: 3000 calls of 8 B, median ([\d.]+) us, .*; 3000 over 0 us", out.stdout)
+        assert summary and float(summary[1]) > 0, out.stdout
+    assert out.stdout.count("major faults") == 4    # --show 2 on each rank

@@ -4,7 +4,8 @@ A benchmark row that takes twice its median is nearly always a rank that lost it
 that waits for it spins or sleeps, and the call's time is the absent rank's. Record the
 scheduler's switches while a benchmark runs, then read them here::
 
-    perf record -e sched:sched_switch -a -o sched.data -- sleep 20     # beside ringcomm-bench
+    perf record -e sched:sched_switch -a -o sched.data -- sleep 20     # beside ringcomm-bench, or
+                                                   # ringcomm-run -n 2 examples/slow_calls.py
     perf script -i sched.data > sched.txt
     python -m ringcomm.bench.offcpu sched.txt                           # the 2 busiest python3 threads
 
