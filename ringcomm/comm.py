@@ -22,6 +22,8 @@ from .schedule.onecopy import ALGO as READ
 from .schedule import p2p
 from .progress import Progress, asyncable
 
+NEVER = 1 << 62   # a call count no communicator reaches: _balance_at where no balance runs
+
 # This process's communicators, so that a forked child can disown them (_after_fork_in_child).
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -43,6 +45,7 @@ class Communicator:
         self._roster = roster  # every rank's meeting address, for shrink (ringcomm/roster.py)
         self._seq = 0          # every call, for messages
         self._ordinal = 0      # collectives only (all ranks call them), for RINGCOMM_DEBUG=check
+        self._balance_at = 0 if executor.balance is not None else NEVER   # the _ordinal of the next balance tick
         self._broken: str | None = None
         self._closed = False
         self._lock = threading.Lock()  # one first writer of _broken: abort() or a failing call
@@ -468,8 +471,8 @@ class Communicator:
         if self._broken is not None:  # abort() may have come after _next_seq, and left the links to us
             self._close_links()
             raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable: {self._broken}")
-        if self._executor.balance is not None:  # ranks that outnumber the cores: keep them spread
-            self._executor.balance.tick()
+        if self._ordinal >= self._balance_at:  # keep the host's ranks spread over its cores (core_balance.py)
+            self._balance_at = self._ordinal + self._executor.balance.tick()
         try:
             engine.run(sched, call)
         except RingcommError as e:

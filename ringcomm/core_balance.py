@@ -1,4 +1,4 @@
-"""Ranks that outnumber their cores, kept evenly spread over them.
+"""A host's ranks kept spread over its cores: never two busy on one core while another has fewer.
 
 With more ranks on a host than cores (4 ranks on 2), a collective runs at the pace of its most
 crowded core. The scheduler starts the ranks two a core, but a short burst of other work can
@@ -9,6 +9,16 @@ did. Measured on a 2-core VM, 4 ranks, rows of ~5-10 ms of 64 KiB calls (600 row
 placement read at each row's end): rows that ended three-and-one ran 1.5-2.4x the median row,
 those that ended two-and-two 1.00x, and a three-and-one placement lasted up to nine rows in a row
 (ftrace showed the VM's agent taking a core for 3 ms, then a rank moved and kept there).
+
+A core per rank does not always make it the scheduler's job alone. With busy processes on the
+other core, two ranks put on one core take turns there (both pinned to one CPU: an 8-byte
+all_reduce 14 us a call, against 2.2), and the balancer sees a core shared by two ranks that are
+each half idle against one held by processes that never stop. What was seen: 2 ranks, 8-byte
+all_reduce, two nice-10 busy processes (examples/loaded_latency.py --peer mpi), 3 of 41
+repetitions ran at 18-20 us a call for the whole repetition, the others at 1.9-2.1 (MPICH 1.4 in
+all); with the balance on for them, 0 of 48. Not seen: the placement during those three (50 later
+launches that recorded it, with and without the balance, never found the ranks on one CPU for
+long, and none was slow). So this is a guard whose cost is nil (below), not a measured cure.
 
 So each rank, at the start of a call and at most every PERIOD_S, reads the CPU where each of
 its host's ranks last ran and whether it is runnable (/proc/PID/stat fields 39 and 3, kept open;
@@ -22,16 +32,21 @@ Why every 20 ms and not more often: a check costs ~8 us on a quiet core and ~40 
 stacked ranks (three preads of /proc, whose text the kernel formats), and while one rank checks
 the whole ring waits for it. Every 4 ms, 4 ranks, 1 MiB all_reduce: 469-498 us a call against
 443-465 with the balance off, and as much with the moves disabled; every 20 ms the two were level
-within the runs' noise, and no 64 KiB row ran over 2x its median in six runs of 600 rows.
+within the runs' noise, and no 64 KiB row ran over 2x its median in six runs of 600 rows. With a
+core per rank, stacking is rare and it is checked every FREE_PERIOD_S. Between checks a call pays
+one comparison of the communicator's call count with the count at which tick() is next due (tick
+returns how many calls that is, from their recent pace): a clock read every call had cost an
+8-byte all_reduce 0.1 us of its 2.2.
 
 A move that the scheduler undoes (a busy process the ranks do not see may make three-and-one
 the fair placement) doubles the pause before the next check, from HOLD_S up to HOLD_MAX_S; a
 check that finds the ranks even resets it.
 
-Off where the ranks do not outnumber the cores, where this rank may use only one CPU
-(`ringcomm-run --bind core` pins each rank: the user chose), on a communicator that holds only
-some of the host's ranks (LOCAL_WORLD_SIZE; a `split`: it would count too few), where /proc or
-sched_getcpu is missing, and with RINGCOMM_BALANCE=0.
+Off where this rank may use only one CPU (`ringcomm-run --bind core` pins each rank: the user
+chose), on a communicator that holds only some of the host's ranks (LOCAL_WORLD_SIZE; a `split`:
+it would count too few), with a core per rank above FREE_MAX_RANKS ranks on the host (a check
+reads every peer's /proc file), where /proc or sched_getcpu is missing, and with
+RINGCOMM_BALANCE=0.
 """
 from __future__ import annotations
 
@@ -42,7 +57,10 @@ from ringcomm.transport.base import CpuWatch, current_cpu
 
 from .env import env_switch, oversubscribed
 
-PERIOD_S = 20e-3     # between checks (see above for why not less)
+PERIOD_S = 20e-3     # between checks where ranks outnumber cores (see above for why not less)
+FREE_PERIOD_S = 100e-3  # between checks with a core per rank
+FREE_MAX_RANKS = 8   # with a core per rank, balanced up to this many ranks on the host
+MAX_STRIDE = 64      # calls between two looks at the clock, at most
 HOLD_S = 40e-3       # after a move, before the next check ...
 HOLD_MAX_S = 1.0     # ... doubled at each move in a row, up to this
 
@@ -51,8 +69,11 @@ class CoreBalance:
     """Moves this rank off a CPU that holds too many of its host's ranks (see above).
     ``peers``: the pids of the other ranks on this host."""
 
-    def __init__(self, peers: list[int]):
+    def __init__(self, peers: list[int], period: float = PERIOD_S):
         self.watches = [(pid, CpuWatch()) for pid in peers]
+        self.period = period
+        self._stride = 1          # the calls between the last two ticks
+        self._last = time.monotonic()
         for pid, watch in self.watches:
             watch.where(pid)      # opens its stat file now: OSError where /proc or the peer is missing
         self.moves = 0            # how many times this rank moved itself (read by tests and benchmarks)
@@ -67,26 +88,33 @@ class CoreBalance:
         peers = [e["pid"] for r, e in enumerate(entries) if r != rank and e["host"] == me["host"]]
         if not env_switch("RINGCOMM_BALANCE") or not peers or current_cpu() < 0:
             return None
-        if len(os.sched_getaffinity(0)) < 2 or not oversubscribed(len(peers) + 1):
+        crowded = oversubscribed(len(peers) + 1)
+        if len(os.sched_getaffinity(0)) < 2 or (not crowded and len(peers) + 1 > FREE_MAX_RANKS):
             return None
         if len(peers) + 1 < int(os.environ.get("LOCAL_WORLD_SIZE") or 0):
             return None  # a split that holds some of the host's ranks: it cannot see all who compete
         try:
-            return cls(peers)
+            return cls(peers, PERIOD_S if crowded else FREE_PERIOD_S)
         except OSError:  # no /proc here, or a peer already gone: nothing to balance
             return None
 
-    def tick(self) -> None:
-        """At the start of a call: check the placement if PERIOD_S has passed since the last."""
+    def tick(self) -> int:
+        """At the start of a call the last tick said was due: check the placement if the period
+        has passed since the last check; return the calls that should take until the next one, at
+        the pace of those since the last tick (1 to MAX_STRIDE)."""
         now = time.monotonic()
-        if now < self._next:
-            return
-        if self.check():
-            self._next = now + self._hold
-            self._hold = min(self._hold * 2, HOLD_MAX_S)
-        else:
-            self._next = now + PERIOD_S
-            self._hold = HOLD_S
+        per_call = (now - self._last) / self._stride
+        self._last = now
+        if now >= self._next:
+            if self.check():
+                self._next = now + self._hold
+                self._hold = min(self._hold * 2, HOLD_MAX_S)
+            else:
+                self._next = now + self.period
+                self._hold = HOLD_S
+        due = (self._next - now) / per_call if per_call > 0 else MAX_STRIDE
+        self._stride = max(1, min(MAX_STRIDE, round(due)))
+        return self._stride
 
     def placement(self, cpus, mine: int) -> tuple[int, dict[int, int]]:
         """(crowd, count): how many of the host's ranks are runnable on CPU ``mine`` now (this

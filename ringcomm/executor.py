@@ -71,7 +71,7 @@ class Executor:
         # (id(schedule), item size, count, native?) -> (schedule, plan), see _plan
         self._plans: dict = {}
         self.registered = None  # ringcomm.registered.Registry, once comm.alloc() was called
-        self.balance = None     # ringcomm.core_balance.CoreBalance, where ranks outnumber cores
+        self.balance = None     # ringcomm.core_balance.CoreBalance: the host's ranks kept spread over its cores
         self.native = self._native_off = None
         self._spin_s = spin_s
         self.slice_bytes = min(slice_bytes or slot_bytes, slot_bytes)

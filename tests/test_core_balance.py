@@ -1,4 +1,4 @@
-"""Ranks that outnumber the cores spread themselves evenly (ringcomm/core_balance.py).
+"""A host's ranks spread themselves over its cores (ringcomm/core_balance.py).
 
 The unit tests stand real processes in for a rank's peers: `sleep` children pinned to a CPU,
 whose /proc/PID/stat then names that CPU as where they last ran and says they sleep.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -136,7 +137,7 @@ def test_it_is_off_where_there_is_nothing_to_balance(sleepers, monkeypatch):
     try:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
         made = CoreBalance.for_host(entries, 0)
-        assert made is not None
+        assert made is not None and made.period == core_balance.PERIOD_S
         made.close()
         monkeypatch.setenv("RINGCOMM_BALANCE", "0")
         assert CoreBalance.for_host(entries, 0) is None
@@ -144,7 +145,15 @@ def test_it_is_off_where_there_is_nothing_to_balance(sleepers, monkeypatch):
         elsewhere = [entries[0]] + [dict(e, host="other") for e in entries[1:]]
         assert CoreBalance.for_host(elsewhere, 0) is None        # no peer on this host
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        assert CoreBalance.for_host(entries[:2], 0) is None      # a core per rank: the scheduler's job
+        made = CoreBalance.for_host(entries[:2], 0)              # a core per rank: on, checked less often
+        assert made is not None and made.period == core_balance.FREE_PERIOD_S
+        made.close()
+        many = entries + [{"pid": p, "host": "h"} for p in sleepers(CPUS[1], core_balance.FREE_MAX_RANKS)]
+        crowded = core_balance.oversubscribed
+        monkeypatch.setattr(core_balance, "oversubscribed", lambda n: False)   # as on a host of many cores
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(many)))
+        assert CoreBalance.for_host(many, 0) is None             # too many to read at every check
+        monkeypatch.setattr(core_balance, "oversubscribed", crowded)
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")
         assert CoreBalance.for_host(entries, 0) is None          # a split of the host's ranks: it sees
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")              # not all who compete for the cores
@@ -181,3 +190,76 @@ def test_four_ranks_on_two_cores_end_up_two_and_two():
     with World(4, {"RINGCOMM_TRANSPORT": "shm"}, timeout=60) as w:
         results = w.run(_three_and_one, timeout=90)
     assert all(has and right and even for has, _, right, even in results), results
+
+
+@needs_two
+def test_left_counts_the_calls_until_the_next_check_is_due(sleepers, monkeypatch):
+    """Between ticks a call only compares counts (as comm._execute_now does); tick() says how
+    many calls until the next, from the pace of those since the last, so checks keep their period."""
+    balance = CoreBalance(sleepers(CPUS[0], 1), period=0.02)
+    now = [100.0]
+    monkeypatch.setattr(core_balance.time, "monotonic", lambda: now[0])
+    balance._last = now[0]
+    checks = []
+    monkeypatch.setattr(balance, "check", lambda: checks.append(round(now[0], 6)) and False)
+
+    count, due, strides = [0], [0], []
+
+    def calls(n, seconds):           # as comm._execute_now counts them
+        for _ in range(n):
+            now[0] += seconds
+            if count[0] >= due[0]:
+                strides.append(balance.tick())
+                due[0] = count[0] + strides[-1]
+            count[0] += 1
+    try:
+        calls(1, 0.0)                 # the first call checks; no pace yet: MAX_STRIDE calls to the next look
+        assert checks == [100.0] and strides == [core_balance.MAX_STRIDE]
+        calls(core_balance.MAX_STRIDE, 1e-3)          # 1 ms calls: the next check, then one every 20 calls
+        assert checks == [100.0, 100.064] and strides[-1] == 20
+        calls(40, 1e-3)
+        assert checks == [100.0, 100.064, 100.084, 100.104]
+        calls(20 + 2 * core_balance.MAX_STRIDE, 1e-6)   # fast calls: the clock read every MAX_STRIDE calls
+        assert strides[-1] == core_balance.MAX_STRIDE and checks[-1] == 100.104
+    finally:
+        balance.close()
+
+
+@needs_two
+def test_a_rank_sharing_its_core_with_a_runnable_peer_moves_to_a_free_one(on_cpu):
+    """Two ranks, a core each, stacked on one (busy processes holding the other, as
+    examples/loaded_latency.py found): the peer here is a spinning child pinned to CPU a,
+    runnable whenever this thread runs there."""
+    a, b = CPUS[:2]
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                               preexec_fn=lambda: os.sched_setaffinity(0, {a}))
+    balance = CoreBalance([spinner.pid], core_balance.FREE_PERIOD_S)
+    try:
+        deadline = time.monotonic() + 10
+        while _last_cpu(spinner.pid) != ("R", a):
+            assert time.monotonic() < deadline, "the spinner never ran on its CPU"
+            os.sched_yield()
+        on_cpu(a)
+        assert balance.check()
+        assert current_cpu() == b and balance.moves == 1
+        assert sorted(os.sched_getaffinity(0)) == CPUS
+    finally:
+        balance.close()
+        spinner.kill()
+        spinner.wait()
+
+
+def _balance_of(comm):
+    balance = comm._executor.balance
+    x = np.ones(4, np.float32)
+    for _ in range(200):                       # calls tick the balance now and then
+        comm.all_reduce(x, out=np.empty_like(x))
+    return balance is not None and balance.period, 0 < comm._balance_at - comm._ordinal <= core_balance.MAX_STRIDE
+
+
+@needs_two
+@pytest.mark.timeout(120)
+def test_two_ranks_with_a_core_each_keep_the_balance_checked_less_often():
+    with World(2, {"RINGCOMM_TRANSPORT": "shm"}, timeout=60) as w:
+        results = w.run(_balance_of, timeout=90)
+    assert results == [(core_balance.FREE_PERIOD_S, True)] * 2, results
