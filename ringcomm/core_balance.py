@@ -13,12 +13,12 @@ those that ended two-and-two 1.00x, and a three-and-one placement lasted up to n
 A core per rank does not always make it the scheduler's job alone. With busy processes on the
 other core, two ranks put on one core take turns there (both pinned to one CPU: an 8-byte
 all_reduce 14 us a call, against 2.2), and the balancer sees a core shared by two ranks that are
-each half idle against one held by processes that never stop. What was seen: 2 ranks, 8-byte
-all_reduce, two nice-10 busy processes (examples/loaded_latency.py --peer mpi), 3 of 41
-repetitions ran at 18-20 us a call for the whole repetition, the others at 1.9-2.1 (MPICH 1.4 in
-all); with the balance on for them, 0 of 48. Not seen: the placement during those three (50 later
-launches that recorded it, with and without the balance, never found the ranks on one CPU for
-long, and none was slow). So this is a guard whose cost is nil (below), not a measured cure.
+each half idle against one held by processes that never stop. 2 ranks, 8-byte all_reduce, two
+nice-10 busy processes (examples/loaded_latency.py --peer mpi, each 100-call block's CPUs
+recorded): with the balance off, 5 of 64 repetitions ran at 19-24 us a call for the whole
+repetition, the others at 1.9-2.2 (MPICH 1.4); in each slow one whose placement was recorded the
+two ranks shared a CPU in every block. With the balance on, 1 of 64 ran at 9.7 us and none shared
+a CPU in any recorded block.
 
 So each rank, at the start of a call and at most every PERIOD_S, reads the CPU where each of
 its host's ranks last ran and whether it is runnable (/proc/PID/stat fields 39 and 3, kept open;

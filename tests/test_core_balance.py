@@ -233,8 +233,9 @@ def test_a_rank_sharing_its_core_with_a_runnable_peer_moves_to_a_free_one(on_cpu
     a, b = CPUS[:2]
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                preexec_fn=lambda: os.sched_setaffinity(0, {a}))
-    balance = CoreBalance([spinner.pid], core_balance.FREE_PERIOD_S)
+    balance = None
     try:
+        balance = CoreBalance([spinner.pid], core_balance.FREE_PERIOD_S)
         deadline = time.monotonic() + 10
         while _last_cpu(spinner.pid) != ("R", a):
             assert time.monotonic() < deadline, "the spinner never ran on its CPU"
@@ -244,9 +245,10 @@ def test_a_rank_sharing_its_core_with_a_runnable_peer_moves_to_a_free_one(on_cpu
         assert current_cpu() == b and balance.moves == 1
         assert sorted(os.sched_getaffinity(0)) == CPUS
     finally:
-        balance.close()
         spinner.kill()
         spinner.wait()
+        if balance is not None:
+            balance.close()
 
 
 def _balance_of(comm):
