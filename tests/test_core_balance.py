@@ -6,6 +6,7 @@ whose /proc/PID/stat then names that CPU as where they last ran and says they sl
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -265,3 +266,17 @@ def test_two_ranks_with_a_core_each_keep_the_balance_checked_less_often():
     with World(2, {"RINGCOMM_TRANSPORT": "shm"}, timeout=60) as w:
         results = w.run(_balance_of, timeout=90)
     assert results == [(core_balance.FREE_PERIOD_S, True)] * 2, results
+
+
+@pytest.mark.timeout(120)
+def test_loaded_latency_example_reports_times_and_crowding():
+    """examples/loaded_latency.py, the figure issue 12's point 5 asks for: one repetition, idle and
+    with one busy process, each library's median and the count of crowded repetitions."""
+    root = os.path.join(os.path.dirname(__file__), "..")
+    out = subprocess.run([sys.executable, "examples/loaded_latency.py", "--reps", "1", "--hogs", "1",
+                          "--calls", "300"], capture_output=True, text=True, timeout=110, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert re.search(r"^rep 0: ringcomm idle [\d.]+ us  ringcomm loaded [\d.]+ us", out.stdout, re.M), out.stdout
+    summary = re.search(r"^ringcomm  median idle +([\d.]+) us .*crowded runs idle / loaded: (\d) / (\d)$",
+                        out.stdout, re.M)
+    assert summary and float(summary[1]) > 0, out.stdout
