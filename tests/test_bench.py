@@ -521,7 +521,7 @@ def _result(seconds_oop, seconds_ip, wrong=0):
     """A one-row sweep result as cli.run_job gives it (2 ranks, all_reduce of 1 MiB)."""
     def placed(s):
         return {"seconds": s, "rank_seconds": [s, s * 0.9], "algbw": 0.0, "busbw": 0.0, "wrong": wrong,
-                "rank_wrong": [wrong, 0], "skipped": None}
+                "rank_wrong": [wrong, 0], "skipped": None, "span": [7.0, 7.0 + s]}
     row = {"size": 1 << 20, "count": 1 << 18, "type": "float", "redop": "sum", "root": -1,
            "oop": placed(seconds_oop), "ip": placed(seconds_ip)}
     return {"facts": {}, "pids": [1, 2], "rows": {"auto": [row]}, "round_trip_ns": [100.0, 120.0]}
@@ -532,6 +532,7 @@ def test_runs_combine_rows_by_median_and_keep_every_run():
     row = got["rows"]["auto"][0]
     assert row["oop"]["seconds"] == 2e-4 and row["ip"]["seconds"] == 2e-4
     assert row["oop"]["run_seconds"] == [5e-4, 1e-4, 2e-4]      # the median, not the mean
+    assert row["oop"]["run_spans"] == [[7.0, 7.0 + t] for t in (5e-4, 1e-4, 2e-4)]   # each run's when
     assert (row["oop"]["algbw"], row["oop"]["busbw"]) == spec.bandwidth("all_reduce", 1 << 20, 2e-4, 2)
     assert row["oop"]["rank_seconds"] == [2e-4, 2e-4 * 0.9]      # the median run's ranks
     assert row["oop"]["wrong"] == 5 and report.out_of_bounds([row]) == 2   # a wrong run is never hidden
@@ -566,6 +567,8 @@ def test_runs_print_medians_and_each_rows_spread(tmp_path):
         for key in ("oop", "ip"):
             assert len(row[key]["run_seconds"]) == 3
             assert row[key]["seconds"] == sorted(row[key]["run_seconds"])[1]
+            spans = row[key]["run_spans"]   # each run's timed calls on CLOCK_MONOTONIC, later runs later
+            assert all(a <= b for a, b in spans) and spans[0][1] <= spans[1][0] <= spans[2][0] <= time.monotonic()
 
 
 def test_damon_monitors_that_run_are_named_and_stopped_ones_are_not(tmp_path):

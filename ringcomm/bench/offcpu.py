@@ -4,10 +4,13 @@ A benchmark row that takes twice its median is nearly always a rank that lost it
 that waits for it spins or sleeps, and the call's time is the absent rank's. Record the
 scheduler's switches while a benchmark runs, then read them here::
 
-    perf record -e sched:sched_switch -a -o sched.data -- sleep 20     # beside ringcomm-bench, or
-                                                   # ringcomm-run -n 2 examples/slow_calls.py
-    perf script -i sched.data > sched.txt
+    perf record -k CLOCK_MONOTONIC -e sched:sched_switch -a -o sched.data -- sleep 20
+                   # beside ringcomm-bench, or ringcomm-run -n 2 examples/slow_calls.py
+    perf script -i sched.data [--time START,END] > sched.txt
     python -m ringcomm.bench.offcpu sched.txt                           # the 2 busiest python3 threads
+
+With ``-k CLOCK_MONOTONIC`` the trace's times are those of ringcomm-bench's ``run_spans`` (--json:
+when each run's timed calls began and ended), so ``--time`` cuts out exactly a slow run.
 
 Each stretch over --min-us is printed with the state the rank left in (R: preempted, still
 runnable; S: it slept, e.g. on a futex; D: uninterruptible, e.g. a page fault on a file) and what

@@ -18,7 +18,8 @@ from . import spec
 
 def combine(coll: str, ranks: int, results: list[dict]) -> dict:
     """One backend's result (as cli.run_job gives it) from its results of several runs of the same
-    sweep: rows by median time, every run's times kept as ``run_seconds``."""
+    sweep: rows by median time, every run's times kept as ``run_seconds``, and when each run's timed
+    calls began and ended (rank 0's CLOCK_MONOTONIC) as ``run_spans``."""
     first = results[0]
     rows = {label: [_median_row(coll, ranks, [r["rows"][label][j] for r in results]) for j in range(len(rs))]
             for label, rs in first["rows"].items()}
@@ -40,6 +41,7 @@ def _median_row(coll: str, ranks: int, same: list[dict]) -> dict:
         wrong = [p["wrong"] for p in placed]
         rank_wrong = [w for p in placed for w in (p["rank_wrong"] or [])]
         row[key] = {**middle, "seconds": median, "algbw": algbw, "busbw": busbw, "run_seconds": seconds,
+                    "run_spans": [p.get("span") for p in placed],
                     "wrong": None if all(w is None for w in wrong) else sum(w or 0 for w in wrong),
                     "rank_wrong": rank_wrong if any(p["rank_wrong"] is not None for p in placed) else None}
     return row

@@ -155,16 +155,17 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
     iters = timed_calls(be, cfg, fn)
     be.sync()
     be.barrier()
-    t0 = time.perf_counter()
+    began, t0 = time.monotonic(), time.perf_counter()
     for _ in range(iters):
         fn()
     be.sync()
     seconds = (time.perf_counter() - t0) / iters
+    span = [began, time.monotonic()]   # CLOCK_MONOTONIC: a run can be cut out of `perf record -k CLOCK_MONOTONIC`
     wrong = -1.0  # not checked: nccl-tests prints N/A (and does not check in-place sendrecv either)
     if cfg["check"] and not (coll == "sendrecv" and in_place):
         wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
     stats = be.gather_f64([seconds, wrong])
-    return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters,
+    return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters, "span": span,
             "rank_seconds": stats[:, 0].tolist(),
             "rank_wrong": None if stats[0, 1] < 0 else [int(w) for w in stats[:, 1]]}
 
