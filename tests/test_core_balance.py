@@ -227,25 +227,27 @@ def test_left_counts_the_calls_until_the_next_check_is_due(sleepers, monkeypatch
 
 
 @needs_two
-def test_a_rank_sharing_its_core_with_a_runnable_peer_moves_to_a_free_one(on_cpu):
+def test_a_rank_sharing_its_core_with_a_runnable_peer_would_move_to_a_free_one():
     """Two ranks, a core each, stacked on one (busy processes holding the other, as
-    examples/loaded_latency.py found): the peer here is a spinning child pinned to CPU a,
-    runnable whenever this thread runs there."""
+    examples/loaded_latency.py found): the peer here is a spinning child pinned to CPU a, and this
+    thread is pinned there too while it looks (unpinned, the kernel may move it first: then there
+    is nothing to see). The move itself: test_a_crowded_rank_moves_itself_and_keeps_its_mask."""
     a, b = CPUS[:2]
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
                                preexec_fn=lambda: os.sched_setaffinity(0, {a}))
     balance = None
     try:
         balance = CoreBalance([spinner.pid], core_balance.FREE_PERIOD_S)
+        os.sched_setaffinity(0, {a})
         deadline = time.monotonic() + 10
-        while _last_cpu(spinner.pid) != ("R", a):
+        while _last_cpu(spinner.pid) != ("R", a):    # runnable on a, waiting for this thread's slice
             assert time.monotonic() < deadline, "the spinner never ran on its CPU"
             os.sched_yield()
-        on_cpu(a)
-        assert balance.check()
-        assert current_cpu() == b and balance.moves == 1
-        assert sorted(os.sched_getaffinity(0)) == CPUS
+        crowd, count = balance.placement(CPUS, current_cpu())
+        assert current_cpu() == a and crowd == 2 and count[a] == 2 and count[b] == 0
+        assert core_balance.target(a, crowd, count) == b
     finally:
+        os.sched_setaffinity(0, CPUS)
         spinner.kill()
         spinner.wait()
         if balance is not None:
