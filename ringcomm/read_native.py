@@ -275,7 +275,7 @@ def kernel():
                 g = globals()
                 g["_carray"] = numba.carray
                 for name in ("_yield_until", "_wait_at_least", "_transfer", "_stream_bytes", "_copy", "_wake",
-                             "_sleep_flag", "_mapped", "_usable", "_run_call"):
+                             "_sleep_flag", "_mapped", "_reach", "_run_call"):
                     g[name] = jit(g[name])
                 compiled = numba.njit(types.int64(types.int64[::1]), nogil=True, cache=True)(_enter)
                 compiled.disable_compile()
@@ -328,16 +328,20 @@ def _wake(base, word, peers, n, me, consts):
 _mapped = peer_maps.mapped   # compiled with the other helpers (kernel())
 
 
-def _usable(there, q, which, nbytes, table, consts):
-    """Whether peer q's input (``which`` 0) or output (1), of this call's ``nbytes`` here, can be
-    read or written from compiled code: of this size, and registered and mapped here whole, or
-    plain with CMA on."""
+BY_CMA = -1   # _reach: a plain buffer of the peer's, reached by CMA
+
+
+def _reach(there, q, which, nbytes, table, consts):
+    """How compiled code reaches peer q's input (``which`` 0) or output (1), of this call's
+    ``nbytes`` here: its address as mapped here where it is registered and mapped whole, BY_CMA
+    where it is plain and CMA is on, 0 where compiled code cannot (another size, not mapped here,
+    no CMA: Python's path says why)."""
     if native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != nbytes:
-        return False
+        return 0
     k = native_sync.load_acquire(there + 8 * (DESC + 2 * which))
     if k != -1:
-        return _mapped(table, q, k, native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)), nbytes) != 0
-    return consts[CMA] != 0
+        return _mapped(table, q, k, native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)), nbytes)
+    return BY_CMA if consts[CMA] != 0 else 0
 
 
 _carray = None   # numba.carray, set by kernel()
@@ -396,14 +400,14 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
                 p = speers[j]
                 if not _wait_at_least(peers[p] + 8 * (SYNC + me), syncs[p], consts):
                     return WAIT
-        elif kind == REDUCE_STEP:   # every peer in, with buffers fetch_reduce can take (_usable)
+        elif kind == REDUCE_STEP:   # every peer in, with buffers fetch_reduce can take (_reach)
             for j in range(rows[r, SPEERS], rows[r, SPEERS] + rows[r, NSPEERS]):
                 q = speers[j]
                 there = peers[q]
                 if not _wait_at_least(there + 8 * CALLS, calls, consts):
                     return WAIT
                 for which in range(2):
-                    if not _usable(there, q, which, mine[which], table, consts):
+                    if _reach(there, q, which, mine[which], table, consts) == 0:
                         return HAND_BACK
             return REDUCE
         else:
@@ -411,23 +415,17 @@ def _run_call(rows, speers, start, arrived, words, peers, calls, syncs, ain, aou
             there = peers[q]
             if not _wait_at_least(there + 8 * CALLS, calls, consts):
                 return WAIT
-            k = native_sync.load_acquire(there + 8 * (DESC + 2 * which))
-            where = native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1))
-            if native_sync.load_acquire(there + 8 * (DESC + 4 + which)) != mine[which]:
-                return HAND_BACK          # another size: Python's path says so
-            if k != -1:   # registered: a memmove through this process's mapping of it
-                mapped = _mapped(table, q, k, where, mine[which])
-                if mapped == 0:
-                    return HAND_BACK      # not mapped here, or too small: Python's path says so
+            mapped = _reach(there, q, which, mine[which], table, consts)
+            if mapped == 0:
+                return HAND_BACK          # Python's path says why
+            if mapped != BY_CMA:          # registered: a memmove through this process's mapping of it
                 if kind == READ:
                     _copy(aout + rows[r, HERE], mapped + rows[r, THERE], nbytes, rows[r, WHOLE], consts)
                 else:
                     _copy(mapped + rows[r, THERE], ain + rows[r, HERE], nbytes, rows[r, WHOLE], consts)
                 continue
-            if consts[CMA] == 0:
-                return HAND_BACK          # no CMA: Python's path says so
             pid = native_sync.load_acquire(there + 8 * PID)
-            remote = where + rows[r, THERE]
+            remote = native_sync.load_acquire(there + 8 * (DESC + 2 * which + 1)) + rows[r, THERE]
             if kind == READ:
                 ok = _transfer(consts[READV], pid, aout + rows[r, HERE], remote, nbytes, iov)
             else:
