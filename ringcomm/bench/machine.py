@@ -34,23 +34,20 @@ def damon_schemes(root: str = DAMON_KDAMONDS) -> list[str]:
     quota allows. With a busy rank on every core it preempts one of them: on the 2-core dev VM a
     rank lost its core for ~1 ms every ~0.51 s (perf's sched_switch, docs/06 "Slow runs"), which
     is a run of 30 small calls made 10x slower. A table that shows such runs names the cause."""
-    found = []
-    for base in _subdirs(root):
-        try:
-            with open(os.path.join(base, "state")) as f:
-                if f.read().strip() != "on":
-                    continue
-            for ctx in _subdirs(os.path.join(base, "contexts")):
-                with open(os.path.join(ctx, "operations")) as f:
-                    ops = f.read().strip()
-                actions = []
-                for scheme in _subdirs(os.path.join(ctx, "schemes")):
-                    with open(os.path.join(scheme, "action")) as f:
-                        actions.append(f.read().strip())
-                found.append(" ".join([ops, *actions]))
-        except OSError:
-            continue
-    return found
+    running = [base for base in _subdirs(root) if _text(os.path.join(base, "state")) == "on"]
+    contexts = [ctx for base in running for ctx in _subdirs(os.path.join(base, "contexts"))]
+    return [" ".join(filter(None, [_text(os.path.join(ctx, "operations")),
+                                   *(_text(os.path.join(s, "action")) for s in _subdirs(os.path.join(ctx, "schemes")))]))
+            for ctx in contexts]
+
+
+def _text(path: str) -> str | None:
+    """A sysfs file's text, stripped; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
 
 
 def _subdirs(path: str) -> list[str]:
