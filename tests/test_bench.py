@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from ringcomm.bench import alternate, jobs, placement, report, runs, spec, verify, worker
+from ringcomm.bench import alternate, jobs, machine, placement, report, runs, spec, verify, worker
 from ringcomm.bench.cli import parse_args
 from ringcomm.kernels import host
 from ringcomm.transport.base import pid_alive
@@ -544,6 +544,35 @@ def test_runs_combine_rows_by_median_and_keep_every_run():
     assert [line for line in two if line.startswith("# Algorithm:")] == ["# Algorithm: ring", "# Algorithm: tree"]
 
 
+def test_runs_over_twice_their_median_are_listed_with_the_hypervisors_steal():
+    slow, steady = _result(9e-4, 1e-4), _result(1e-4, 1e-4)
+    slow["rows"]["auto"][0]["oop"]["steal_s"] = 0.62
+    steady["rows"]["auto"][0]["oop"]["steal_s"] = 0.0
+    got = runs.combine("all_reduce", 2, [steady, slow, steady])
+    row = got["rows"]["auto"][0]
+    assert row["oop"]["run_steal_s"] == [0.0, 0.62, 0.0] and row["ip"]["run_steal_s"] == [None] * 3
+    lines = runs.slow_lines(got["rows"], {"mpi": got})
+    assert lines[0].startswith("# Runs over 2x their row's median")
+    assert lines[1:] == [
+        "#   1048576 ringcomm out of place, run 2: 9.0x (900 us a call, median 100 us; the run took 900 us); "
+        "steal 620 ms",
+        "#   1048576 mpi out of place, run 2: 9.0x (900 us a call, median 100 us; the run took 900 us); steal 620 ms"]
+    assert runs.slow_lines(runs.combine("all_reduce", 2, [steady] * 3)["rows"], {}) == []   # none that slow
+    unknown = runs.combine("all_reduce", 2, [_result(1e-4, 1e-4), _result(1e-4, 3e-4), _result(1e-4, 1e-4)])
+    assert [line.split("; steal ")[-1] for line in runs.slow_lines(unknown["rows"], {})[1:]] == ["unknown"]
+
+
+def test_steal_is_read_from_proc_stat_in_seconds(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  4980342 81659 1389333 9687502 10014 0 41462 10212 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n")
+    assert machine.steal_seconds(str(stat)) == pytest.approx(10212 * machine._TICK_S)
+    stat.write_text("cpu  1 2 3 4\n")              # a kernel without the column
+    assert machine.steal_seconds(str(stat)) is None
+    assert machine.steal_seconds(str(tmp_path / "none")) is None
+    here = machine.steal_seconds()                    # this machine's, if Linux: a count that only grows
+    assert here is None or (here >= 0 and machine.steal_seconds() >= here)
+
+
 def test_runs_must_be_positive_and_alone_with_reproducible():
     for bad in (["--runs", "0"], ["--runs", "2", "--reproducible"]):
         with pytest.raises(SystemExit) as e:
@@ -569,11 +598,12 @@ def test_runs_print_medians_and_each_rows_spread(tmp_path):
             assert row[key]["seconds"] == sorted(row[key]["run_seconds"])[1]
             spans = row[key]["run_spans"]   # each run's timed calls on CLOCK_MONOTONIC, later runs later
             assert all(a <= b for a, b in spans) and spans[0][1] <= spans[1][0] <= spans[2][0] <= time.monotonic()
+            stolen = row[key]["run_steal_s"]   # the hypervisor's take while each ran, where /proc/stat says
+            assert len(stolen) == 3 and all(t is None or t >= 0 for t in stolen)
+            assert (None in stolen) == (machine.steal_seconds() is None)
 
 
 def test_damon_monitors_that_run_are_named_and_stopped_ones_are_not(tmp_path):
-    from ringcomm.bench import machine
-
     def monitor(k, state, ops, actions):
         ctx = tmp_path / str(k) / "contexts" / "0"
         (ctx / "schemes").mkdir(parents=True)

@@ -236,7 +236,7 @@ def _main(a, argv) -> int:
         return 0 if ok else 1
     lines = _table(a, mine, peers, skipped, memcpy, facts)
     if a.runs > 1:
-        lines += runs.spread_lines(a.runs, mine["rows"], peers)
+        lines += runs.spread_lines(a.runs, mine["rows"], peers) + runs.slow_lines(mine["rows"], peers)
     print("\n".join(lines), flush=True)
     rows = [r for rs in mine["rows"].values() for r in rs]
     peer_rows = [r for run in peers.values() for rs in run["rows"].values() for r in rs]

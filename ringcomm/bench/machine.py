@@ -58,6 +58,29 @@ def _subdirs(path: str) -> list[str]:
         return []
 
 
+PROC_STAT = "/proc/stat"
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def steal_seconds(path: str = PROC_STAT) -> float | None:
+    """CPU time the hypervisor has taken from this VM's vCPUs since boot, all CPUs together, in
+    seconds (/proc/stat's "steal", kept by the kernel in nanoseconds and shown in clock ticks of
+    10 ms); None where the file or the column is missing (not Linux, an old kernel).
+
+    A vCPU the host deschedules stops whatever ran on it, and the guest's scheduler cannot see it:
+    a rank looks on its CPU the whole time (perf's sched_switch shows nothing). So a run slower
+    than its median with no guest thread to blame may be the host's doing, and the bench reads
+    this before and after each run's timed calls to say so (runs.slow_lines)."""
+    try:
+        with open(path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    return int(fields[8]) * _TICK_S
+
+
 def facts() -> dict:
     try:
         usable = len(os.sched_getaffinity(0))

@@ -18,8 +18,9 @@ from . import spec
 
 def combine(coll: str, ranks: int, results: list[dict]) -> dict:
     """One backend's result (as cli.run_job gives it) from its results of several runs of the same
-    sweep: rows by median time, every run's times kept as ``run_seconds``, and when each run's timed
-    calls began and ended (rank 0's CLOCK_MONOTONIC) as ``run_spans``."""
+    sweep: rows by median time, every run's times kept as ``run_seconds``, when each run's timed
+    calls began and ended (rank 0's CLOCK_MONOTONIC) as ``run_spans``, and the CPU time the
+    hypervisor took meanwhile (machine.steal_seconds; None where unknown) as ``run_steal_s``."""
     first = results[0]
     rows = {label: [_median_row(coll, ranks, [r["rows"][label][j] for r in results]) for j in range(len(rs))]
             for label, rs in first["rows"].items()}
@@ -41,7 +42,7 @@ def _median_row(coll: str, ranks: int, same: list[dict]) -> dict:
         wrong = [p["wrong"] for p in placed]
         rank_wrong = [w for p in placed for w in (p["rank_wrong"] or [])]
         row[key] = {**middle, "seconds": median, "algbw": algbw, "busbw": busbw, "run_seconds": seconds,
-                    "run_spans": [p.get("span") for p in placed],
+                    "run_spans": [p.get("span") for p in placed], "run_steal_s": [p.get("steal_s") for p in placed],
                     "wrong": None if all(w is None for w in wrong) else sum(w or 0 for w in wrong),
                     "rank_wrong": rank_wrong if any(p["rank_wrong"] is not None for p in placed) else None}
     return row
@@ -72,6 +73,45 @@ def spread_lines(runs: int, mine: dict, peers: dict) -> list[str]:
     if worst is not None:
         lines.append(f"# ringcomm's slowest run over its row's median: {worst:.2f}x")
     return lines
+
+
+SLOW = 2.0   # a run this much over its row's median is listed with what the hypervisor took during it
+
+
+def slow_lines(mine: dict, peers: dict, slow: float = SLOW) -> list[str]:
+    """Every run (ringcomm's placements, each peer's out of place) that took over ``slow`` times its
+    row's median, with the CPU time the hypervisor stole from the VM while it ran: a stall that no
+    guest thread explains (a vCPU descheduled by the host) shows here, one that steal does not
+    cover was inside the guest (docs/06, "Slow runs"). Nothing when no run was that slow."""
+    cells = [(f"ringcomm{'' if len(mine) == 1 else ' ' + label}", key, row)
+             for label, rows in mine.items() for row in rows for key in ("oop", "ip")]
+    cells += [(name, "oop", row) for name, run in peers.items() for row in run["rows"].get("auto", [])]
+    lines = []
+    for who, key, row in cells:
+        placed = row[key]
+        if placed.get("skipped") or not placed.get("run_seconds") or not placed["seconds"]:
+            continue
+        nruns = len(placed["run_seconds"])
+        steals = placed.get("run_steal_s") or [None] * nruns
+        spans = placed.get("run_spans") or [None] * nruns
+        for k, (took, span, stolen) in enumerate(zip(placed["run_seconds"], spans, steals)):
+            if took > slow * placed["seconds"]:
+                lines.append("#   %d %s %s, run %d: %.1fx (%s a call, median %s%s); steal %s" % (
+                    row["size"], who, "in place" if key == "ip" else "out of place", k + 1,
+                    took / placed["seconds"], _time(took), _time(placed["seconds"]),
+                    "" if not span else f"; the run took {_time(span[1] - span[0])}", _steal(stolen)))
+    if lines:
+        lines.insert(0, f"# Runs over {slow:g}x their row's median, and the CPU time the hypervisor took from "
+                        "the VM while each ran (/proc/stat steal, all vCPUs, counted in clock ticks):")
+    return lines
+
+
+def _time(seconds: float) -> str:
+    return "%.3g ms" % (seconds * 1e3) if seconds >= 1e-3 else "%.3g us" % (seconds * 1e6)
+
+
+def _steal(seconds) -> str:
+    return "unknown" if seconds is None else "none" if seconds == 0 else "%.0f ms" % (seconds * 1e3)
 
 
 def _spread_row(row: dict, names: list, by_size: dict) -> str:

@@ -26,7 +26,7 @@ import traceback
 
 import numpy as np
 
-from . import reproducible, spec, verify
+from . import machine, reproducible, spec, verify
 from .backends import Unsupported, make_backend, python_facts
 
 PREFIX = "RCBENCH "
@@ -155,17 +155,20 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
     iters = timed_calls(be, cfg, fn)
     be.sync()
     be.barrier()
+    stolen = machine.steal_seconds() if r == 0 else None   # the machine's, so rank 0's read will do
     began, t0 = time.monotonic(), time.perf_counter()
     for _ in range(iters):
         fn()
     be.sync()
     seconds = (time.perf_counter() - t0) / iters
     span = [began, time.monotonic()]   # CLOCK_MONOTONIC: a run can be cut out of `perf record -k CLOCK_MONOTONIC`
+    if stolen is not None:
+        stolen = max(0.0, (machine.steal_seconds() or stolen) - stolen)
     wrong = -1.0  # not checked: nccl-tests prints N/A (and does not check in-place sendrecv either)
     if cfg["check"] and not (coll == "sendrecv" and in_place):
         wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
     stats = be.gather_f64([seconds, wrong])
-    return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters, "span": span,
+    return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters, "span": span, "steal_s": stolen,
             "rank_seconds": stats[:, 0].tolist(),
             "rank_wrong": None if stats[0, 1] < 0 else [int(w) for w in stats[:, 1]]}
 
