@@ -544,22 +544,25 @@ def test_runs_combine_rows_by_median_and_keep_every_run():
     assert [line for line in two if line.startswith("# Algorithm:")] == ["# Algorithm: ring", "# Algorithm: tree"]
 
 
-def test_runs_over_twice_their_median_are_listed_with_the_hypervisors_steal():
+def test_runs_over_twice_their_median_are_listed_with_steal_and_the_ranks_time_on_a_cpu():
     slow, steady = _result(9e-4, 1e-4), _result(1e-4, 1e-4)
-    slow["rows"]["auto"][0]["oop"]["steal_s"] = 0.62
-    steady["rows"]["auto"][0]["oop"]["steal_s"] = 0.0
+    slow["rows"]["auto"][0]["oop"].update(steal_s=0.62, on_cpu=[0.31, 0.994])
+    steady["rows"]["auto"][0]["oop"].update(steal_s=0.0, on_cpu=[1.0, 1.0])
     got = runs.combine("all_reduce", 2, [steady, slow, steady])
     row = got["rows"]["auto"][0]
     assert row["oop"]["run_steal_s"] == [0.0, 0.62, 0.0] and row["ip"]["run_steal_s"] == [None] * 3
+    assert row["oop"]["run_on_cpu"] == [[1.0, 1.0], [0.31, 0.994], [1.0, 1.0]]
     lines = runs.slow_lines(got["rows"], {"mpi": got})
     assert lines[0].startswith("# Runs over 2x their row's median")
     assert lines[1:] == [
         "#   1048576 ringcomm out of place, run 2: 9.0x (900 us a call, median 100 us; the run took 900 us); "
-        "steal 620 ms",
-        "#   1048576 mpi out of place, run 2: 9.0x (900 us a call, median 100 us; the run took 900 us); steal 620 ms"]
+        "steal 620 ms; on CPU 31% 99%",
+        "#   1048576 mpi out of place, run 2: 9.0x (900 us a call, median 100 us; the run took 900 us); "
+        "steal 620 ms; on CPU 31% 99%"]
     assert runs.slow_lines(runs.combine("all_reduce", 2, [steady] * 3)["rows"], {}) == []   # none that slow
     unknown = runs.combine("all_reduce", 2, [_result(1e-4, 1e-4), _result(1e-4, 3e-4), _result(1e-4, 1e-4)])
-    assert [line.split("; steal ")[-1] for line in runs.slow_lines(unknown["rows"], {})[1:]] == ["unknown"]
+    assert [line.split("; steal ")[-1] for line in runs.slow_lines(unknown["rows"], {})[1:]] == [
+        "unknown; on CPU unknown"]
 
 
 def test_steal_is_read_from_proc_stat_in_seconds(tmp_path):
@@ -601,6 +604,8 @@ def test_runs_print_medians_and_each_rows_spread(tmp_path):
             stolen = row[key]["run_steal_s"]   # the hypervisor's take while each ran, where /proc/stat says
             assert len(stolen) == 3 and all(t is None or t >= 0 for t in stolen)
             assert (None in stolen) == (machine.steal_seconds() is None)
+            shares = row[key]["run_on_cpu"]   # each rank's calling thread: on a CPU for part of the run
+            assert [len(s) for s in shares] == [2, 2, 2] and all(0 < x < 1.5 for s in shares for x in s)
 
 
 def test_damon_monitors_that_run_are_named_and_stopped_ones_are_not(tmp_path):

@@ -43,6 +43,7 @@ def _median_row(coll: str, ranks: int, same: list[dict]) -> dict:
         rank_wrong = [w for p in placed for w in (p["rank_wrong"] or [])]
         row[key] = {**middle, "seconds": median, "algbw": algbw, "busbw": busbw, "run_seconds": seconds,
                     "run_spans": [p.get("span") for p in placed], "run_steal_s": [p.get("steal_s") for p in placed],
+                    "run_on_cpu": [p.get("on_cpu") for p in placed],
                     "wrong": None if all(w is None for w in wrong) else sum(w or 0 for w in wrong),
                     "rank_wrong": rank_wrong if any(p["rank_wrong"] is not None for p in placed) else None}
     return row
@@ -80,9 +81,12 @@ SLOW = 2.0   # a run this much over its row's median is listed with what the hyp
 
 def slow_lines(mine: dict, peers: dict, slow: float = SLOW) -> list[str]:
     """Every run (ringcomm's placements, each peer's out of place) that took over ``slow`` times its
-    row's median, with the CPU time the hypervisor stole from the VM while it ran: a stall that no
-    guest thread explains (a vCPU descheduled by the host) shows here, one that steal does not
-    cover was inside the guest (docs/06, "Slow runs"). Nothing when no run was that slow."""
+    row's median, with two readings that say where its time went: the CPU time the hypervisor
+    stole from the VM while it ran (a vCPU the host descheduled: the guest's scheduler saw nothing),
+    and each rank's share of the run on a CPU (time.thread_time of the calling thread over the
+    run's length: a rank with a core of its own that spins is near 100%; two ranks stacked on one
+    core near 50% each; a rank preempted by another thread lower). Nothing when no run was that
+    slow (docs/06, "Slow runs")."""
     cells = [(f"ringcomm{'' if len(mine) == 1 else ' ' + label}", key, row)
              for label, rows in mine.items() for row in rows for key in ("oop", "ip")]
     cells += [(name, "oop", row) for name, run in peers.items() for row in run["rows"].get("auto", [])]
@@ -94,16 +98,23 @@ def slow_lines(mine: dict, peers: dict, slow: float = SLOW) -> list[str]:
         nruns = len(placed["run_seconds"])
         steals = placed.get("run_steal_s") or [None] * nruns
         spans = placed.get("run_spans") or [None] * nruns
-        for k, (took, span, stolen) in enumerate(zip(placed["run_seconds"], spans, steals)):
+        shares = placed.get("run_on_cpu") or [None] * nruns
+        for k, (took, span, stolen, on_cpu) in enumerate(zip(placed["run_seconds"], spans, steals, shares)):
             if took > slow * placed["seconds"]:
-                lines.append("#   %d %s %s, run %d: %.1fx (%s a call, median %s%s); steal %s" % (
+                lines.append("#   %d %s %s, run %d: %.1fx (%s a call, median %s%s); steal %s; on CPU %s" % (
                     row["size"], who, "in place" if key == "ip" else "out of place", k + 1,
                     took / placed["seconds"], _time(took), _time(placed["seconds"]),
-                    "" if not span else f"; the run took {_time(span[1] - span[0])}", _steal(stolen)))
+                    "" if not span else f"; the run took {_time(span[1] - span[0])}", _steal(stolen),
+                    _shares(on_cpu)))
     if lines:
-        lines.insert(0, f"# Runs over {slow:g}x their row's median, and the CPU time the hypervisor took from "
-                        "the VM while each ran (/proc/stat steal, all vCPUs, counted in clock ticks):")
+        lines.insert(0, f"# Runs over {slow:g}x their row's median; the CPU time the hypervisor took from the VM "
+                        "while each ran (/proc/stat steal, all vCPUs, in clock ticks); and the share of the run "
+                        "each rank's calling thread spent on a CPU (rank 0, 1, ...):")
     return lines
+
+
+def _shares(on_cpu) -> str:
+    return "unknown" if not on_cpu else " ".join("%.0f%%" % (100 * s) for s in on_cpu)
 
 
 def _time(seconds: float) -> str:

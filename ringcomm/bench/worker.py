@@ -156,20 +156,22 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
     be.sync()
     be.barrier()
     stolen = machine.steal_seconds() if r == 0 else None   # the machine's, so rank 0's read will do
+    on_cpu = time.thread_time()   # this thread's CPU time: below the run's length, it waited off its CPU
     began, t0 = time.monotonic(), time.perf_counter()
     for _ in range(iters):
         fn()
     be.sync()
     seconds = (time.perf_counter() - t0) / iters
+    on_cpu = (time.thread_time() - on_cpu) / max(seconds * iters, 1e-9)
     span = [began, time.monotonic()]   # CLOCK_MONOTONIC: a run can be cut out of `perf record -k CLOCK_MONOTONIC`
     if stolen is not None:
         stolen = max(0.0, (machine.steal_seconds() or stolen) - stolen)
     wrong = -1.0  # not checked: nccl-tests prints N/A (and does not check in-place sendrecv either)
     if cfg["check"] and not (coll == "sendrecv" and in_place):
         wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
-    stats = be.gather_f64([seconds, wrong])
+    stats = be.gather_f64([seconds, wrong, on_cpu])
     return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters, "span": span, "steal_s": stolen,
-            "rank_seconds": stats[:, 0].tolist(),
+            "rank_seconds": stats[:, 0].tolist(), "on_cpu": stats[:, 2].tolist(),
             "rank_wrong": None if stats[0, 1] < 0 else [int(w) for w in stats[:, 1]]}
 
 
@@ -219,7 +221,7 @@ def run(be, cfg) -> None:
     # collective has connected (~20 ms on 4 ranks). Done inside a row, by a rank that finished its
     # timed calls first, it took a core from peers still timing theirs: their last call of the
     # first row took 2-10 ms (4 ranks on 2 cores, 64 KiB all_reduce).
-    be.gather_f64([0.0, 0.0])
+    be.gather_f64([0.0, 0.0, 0.0])   # as each row gathers: time, wrong, on-CPU share
     be.barrier()
     first_warm_s = FIRST_ROW_WARM_S if cfg["warmup"] else 0.0
     for algo in cfg["algos"]:
