@@ -9,7 +9,9 @@ It starts its own ranks: ringcomm's first, then each peer's (the same sweep, one
 other; with --alternate all at once, each row run by every library before the next: alternate.py),
 and prints one table whose rows gain each peer's out-of-place time, busbw and the ratio
 ringcomm / peer. With --runs N the whole sweep runs N times and each row shows the median of its
-runs, with each row's spread after the table (runs.py). Exit status 1 when any result was wrong (or
+runs, with each row's spread after the table, and every run over 2x its row's median listed with
+what the machine did meanwhile: the hypervisor's steal, each rank's share of the run on a CPU
+(runs.py). Exit status 1 when any result was wrong (or
 ringcomm failed), 2 for bad arguments.
 """
 from __future__ import annotations

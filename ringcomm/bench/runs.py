@@ -8,6 +8,7 @@ jobs), and the table shows, per row, the median of the N runs' mean times, with 
 worked out from it; #wrong adds up the runs. After the table, one line per row gives its spread:
 the slowest run's time over the median, for ringcomm's two placements and each peer's out of
 place, so a reader sees which rows to trust (and whether any run was slower than 2x its median).
+Each run over 2x its median then gets a line of its own that says where its time went (slow_lines).
 """
 from __future__ import annotations
 
