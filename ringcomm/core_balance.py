@@ -33,7 +33,16 @@ stacked ranks (three preads of /proc, whose text the kernel formats), and while 
 the whole ring waits for it. Every 4 ms, 4 ranks, 1 MiB all_reduce: 469-498 us a call against
 443-465 with the balance off, and as much with the moves disabled; every 20 ms the two were level
 within the runs' noise, and no 64 KiB row ran over 2x its median in six runs of 600 rows. With a
-core per rank, stacking is rare and it is checked every FREE_PERIOD_S. Between checks a call pays
+core per rank a check is cheap (~4 us, one /proc read per peer) and nobody waits behind a
+stacked rank for it, so it runs every FREE_PERIOD_PER_PEER_S per peer on the host (2 ranks: every
+5 ms). That is what ends a stacked pair soon. Two ranks of 8-byte all_reduces, pinned to one CPU
+for 50 calls every 0.4 s and then given their whole mask back (Intel VM, 11-15 stackings each
+way; apart again: the first 200 calls in a row under 4x the median call): with the balance off
+they ran apart after a median 9.4 ms (max 15.5; Linux's own balancer leaves a task that ran
+within the last 0.5 ms where it is), with checks every 100 ms 13.3 (max 19.5), every 20 ms 8.6
+(max 18.0), every 10 ms 4.8 (max 10.1), every 5 ms 1.0 (max 4.6). The 8-byte all_reduce's median
+stayed level (1M calls a run, 100 ms against 5 ms: 2.13-2.20 against 2.14-2.32 us), its p99.9
+went from 9-23 to 15-18 us (a check, ~4 us, now falls in one call of ~2300). Between checks a call pays
 one comparison of the communicator's call count with the count at which tick() is next due (tick
 returns how many calls that is, from their recent pace): a clock read every call had cost an
 8-byte all_reduce 0.1 us of its 2.2.
@@ -58,7 +67,7 @@ from ringcomm.transport.base import CpuWatch, current_cpu
 from .env import env_switch, oversubscribed
 
 PERIOD_S = 20e-3     # between checks where ranks outnumber cores (see above for why not less)
-FREE_PERIOD_S = 100e-3  # between checks with a core per rank
+FREE_PERIOD_PER_PEER_S = 5e-3  # between checks with a core per rank: this much per peer on the host
 FREE_MAX_RANKS = 8   # with a core per rank, balanced up to this many ranks on the host
 MAX_STRIDE = 64      # calls between two looks at the clock, at most
 HOLD_S = 40e-3       # after a move, before the next check ...
@@ -94,7 +103,7 @@ class CoreBalance:
         if len(peers) + 1 < int(os.environ.get("LOCAL_WORLD_SIZE") or 0):
             return None  # a split that holds some of the host's ranks: it cannot see all who compete
         try:
-            return cls(peers, PERIOD_S if crowded else FREE_PERIOD_S)
+            return cls(peers, PERIOD_S if crowded else free_period(len(peers)))
         except OSError:  # no /proc here, or a peer already gone: nothing to balance
             return None
 
@@ -155,6 +164,12 @@ class CoreBalance:
         for _, watch in self.watches:
             watch.close()
         self.watches = []
+
+
+def free_period(peers: int) -> float:
+    """Seconds between checks with a core per rank and ``peers`` other ranks on the host: a check
+    reads one /proc file per peer, so its cost, and the pause between checks, grow with them."""
+    return FREE_PERIOD_PER_PEER_S * max(1, peers)
 
 
 def target(mine: int, crowd: int, count: dict[int, int]) -> int | None:

@@ -146,12 +146,15 @@ def test_it_is_off_where_there_is_nothing_to_balance(sleepers, monkeypatch):
         elsewhere = [entries[0]] + [dict(e, host="other") for e in entries[1:]]
         assert CoreBalance.for_host(elsewhere, 0) is None        # no peer on this host
         monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-        made = CoreBalance.for_host(entries[:2], 0)              # a core per rank: on, checked less often
-        assert made is not None and made.period == core_balance.FREE_PERIOD_S
+        made = CoreBalance.for_host(entries[:2], 0)              # a core per rank: on, every 5 ms a peer
+        assert made is not None and made.period == core_balance.free_period(1) == 5e-3
         made.close()
         many = entries + [{"pid": p, "host": "h"} for p in sleepers(CPUS[1], core_balance.FREE_MAX_RANKS)]
         crowded = core_balance.oversubscribed
         monkeypatch.setattr(core_balance, "oversubscribed", lambda n: False)   # as on a host of many cores
+        made = CoreBalance.for_host(entries, 0)                  # 4 ranks, a core each: a /proc read a peer
+        assert made is not None and made.period == core_balance.free_period(3) == 15e-3
+        made.close()
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(len(many)))
         assert CoreBalance.for_host(many, 0) is None             # too many to read at every check
         monkeypatch.setattr(core_balance, "oversubscribed", crowded)
@@ -237,7 +240,7 @@ def test_a_rank_sharing_its_core_with_a_runnable_peer_would_move_to_a_free_one()
                                preexec_fn=lambda: os.sched_setaffinity(0, {a}))
     balance = None
     try:
-        balance = CoreBalance([spinner.pid], core_balance.FREE_PERIOD_S)
+        balance = CoreBalance([spinner.pid], core_balance.free_period(1))
         os.sched_setaffinity(0, {a})
         deadline = time.monotonic() + 10
         while _last_cpu(spinner.pid) != ("R", a):    # runnable on a, waiting for this thread's slice
@@ -264,10 +267,10 @@ def _balance_of(comm):
 
 @needs_two
 @pytest.mark.timeout(120)
-def test_two_ranks_with_a_core_each_keep_the_balance_checked_less_often():
+def test_two_ranks_with_a_core_each_check_the_balance_every_5_ms():
     with World(2, {"RINGCOMM_TRANSPORT": "shm"}, timeout=60) as w:
         results = w.run(_balance_of, timeout=90)
-    assert results == [(core_balance.FREE_PERIOD_S, True)] * 2, results
+    assert results == [(core_balance.free_period(1), True)] * 2, results
 
 
 @pytest.mark.timeout(120)
@@ -282,3 +285,20 @@ def test_loaded_latency_example_reports_times_and_crowding():
     summary = re.search(r"^ringcomm  median idle +([\d.]+) us .*crowded runs idle / loaded: (\d) / (\d)$",
                         out.stdout, re.M)
     assert summary and float(summary[1]) > 0, out.stdout
+
+
+@needs_two
+@pytest.mark.timeout(120)
+def test_unstack_example_stacks_the_ranks_and_times_their_parting():
+    """examples/unstack.py, the measurement behind FREE_PERIOD_PER_PEER_S, under the launcher: two
+    stackings, each with how long the ranks took to part (or "never", on a machine whose other
+    CPU stayed taken), and the results it checked (a wrong one exits non-zero)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", "examples/unstack.py",
+                          "--episodes", "2", "--every-s", "0.05", "--pin-calls", "20"],
+                         capture_output=True, text=True, timeout=110, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    found = re.search(r"median call ([\d.]+) us; ranks apart again after \(ms\): (.*)", out.stdout)
+    assert found and float(found[1]) > 0, out.stdout
+    parted = found[2].split()
+    assert len(parted) == 2 and all(p == "never" or float(p) >= 0 for p in parted), out.stdout
