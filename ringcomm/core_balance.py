@@ -35,14 +35,16 @@ the whole ring waits for it. Every 4 ms, 4 ranks, 1 MiB all_reduce: 469-498 us a
 within the runs' noise, and no 64 KiB row ran over 2x its median in six runs of 600 rows. With a
 core per rank a check is cheap (~4 us, one /proc read per peer) and nobody waits behind a
 stacked rank for it, so it runs every FREE_PERIOD_PER_PEER_S per peer on the host (2 ranks: every
-5 ms). That is what ends a stacked pair soon. Two ranks of 8-byte all_reduces, pinned to one CPU
-for 50 calls every 0.4 s and then given their whole mask back (Intel VM, 11-15 stackings each
-way; apart again: the first 200 calls in a row under 4x the median call): with the balance off
-they ran apart after a median 9.4 ms (max 15.5; Linux's own balancer leaves a task that ran
-within the last 0.5 ms where it is), with checks every 100 ms 13.3 (max 19.5), every 20 ms 8.6
-(max 18.0), every 10 ms 4.8 (max 10.1), every 5 ms 1.0 (max 4.6). The 8-byte all_reduce's median
-stayed level (1M calls a run, 100 ms against 5 ms: 2.13-2.20 against 2.14-2.32 us), its p99.9
-went from 9-23 to 15-18 us (a check, ~4 us, now falls in one call of ~2300). Between checks a call pays
+5 ms). That is what ends a stacked pair soon. examples/unstack.py pins two ranks of 8-byte
+all_reduces to one CPU for 50 calls every 0.4 s, gives them their whole mask back, and times how
+long until they run on two CPUs again (Intel VM, 12 crowdings a run): balance off, a median 11.2 ms
+(max 21.9; Linux's balancer leaves a task that ran within the last 0.5 ms where it is); every 5 ms,
+1.3 (max 4.7). An earlier version that judged by the calls' pace found 13.3 ms (max 19.5) with
+checks every 100 ms, 8.6 every 20, 4.8 every 10, 1.0 every 5, 0.9 every 2. The 8-byte
+all_reduce's median stayed level (1M calls a run, 100 ms against 5 ms: 2.13-2.20 against
+2.14-2.32 us), its p99.9 went from 9-23 to 15-18 us (a check, ~4 us, now falls in one call of
+~2300). (4 ranks on 2 cores, 16 KiB all_reduces, three-and-one for 20 calls: even again after a
+median 3.5 ms, max 15.3, with the 20 ms checks; 34.4, max 140, with the balance off.) Between checks a call pays
 one comparison of the communicator's call count with the count at which tick() is next due (tick
 returns how many calls that is, from their recent pace): a clock read every call had cost an
 8-byte all_reduce 0.1 us of its 2.2.

@@ -291,14 +291,14 @@ def test_loaded_latency_example_reports_times_and_crowding():
 @pytest.mark.timeout(120)
 def test_unstack_example_stacks_the_ranks_and_times_their_parting():
     """examples/unstack.py, the measurement behind FREE_PERIOD_PER_PEER_S, under the launcher: two
-    stackings, each with how long the ranks took to part (or "never", on a machine whose other
-    CPU stayed taken), and the results it checked (a wrong one exits non-zero)."""
+    crowdings, each with how long the ranks took to spread again (or "never", on a machine whose
+    other CPU stayed taken), and the results it checked (a wrong one exits non-zero)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", "examples/unstack.py",
                           "--episodes", "2", "--every-s", "0.05", "--pin-calls", "20"],
                          capture_output=True, text=True, timeout=110, cwd=root)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    found = re.search(r"median call ([\d.]+) us; ranks apart again after \(ms\): (.*)", out.stdout)
+    found = re.search(r"median call ([\d.]+) us; ranks spread again after \(ms\): (.*)", out.stdout)
     assert found and float(found[1]) > 0, out.stdout
     parted = found[2].split()
     assert len(parted) == 2 and all(p == "never" or float(p) >= 0 for p in parted), out.stdout
