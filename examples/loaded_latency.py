@@ -56,9 +56,10 @@ mine, every = np.array(cpus, np.int64), np.empty(len(cpus) * size, np.int64)
 gather(mine, every)
 if rank == 0:
     # a block is crowded where some CPU held more of the ranks than an even spread puts on one
-    per_cpu = -(-size // len(os.sched_getaffinity(0)))
+    from ringcomm.core_balance import crowded as over_even
+    ncpus = len(os.sched_getaffinity(0))
     rows = every.reshape(size, -1).T
-    crowded = sum(1 for row in rows if np.bincount(row[row >= 0]).max(initial=0) > per_cpu) / len(rows)
+    crowded = sum(1 for row in rows if over_even(row, ncpus)) / len(rows)
     print("RESULT", blocks[len(blocks) // 2] * 1e6, crowded, flush=True)
 if lib != "mpi":
     comm.close()

@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 import ringcomm
+from ringcomm.core_balance import crowded
 from ringcomm.transport.base import current_cpu
 
 SPREAD_CALLS = 50   # this many calls in a row with the ranks spread: they are apart again
@@ -91,10 +92,7 @@ def pin(comm, pids, masks) -> None:
 
 def report(ends: np.ndarray, cpus: np.ndarray, releases: list, ncpus: int) -> str:
     """``cpus``: (ranks, calls), where each rank was after each call."""
-    n = cpus.shape[0]
-    fair = -(-n // min(n, ncpus))                               # an even spread's most ranks on one CPU
-    crowd = np.array([np.bincount(col).max() for col in cpus.T])
-    spread = crowd <= fair
+    spread = [not crowded(col, ncpus) for col in cpus.T]
     took = [spread_ms(ends, spread, r) for r in releases]
     known = [v for v in took if v is not None]
     lines = [f"median call {np.median(np.diff(ends)) * 1e6:.2f} us; ranks spread again after (ms): "

@@ -61,6 +61,7 @@ RINGCOMM_BALANCE=0.
 """
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -172,6 +173,14 @@ def free_period(peers: int) -> float:
     """Seconds between checks with a core per rank and ``peers`` other ranks on the host: a check
     reads one /proc file per peer, so its cost, and the pause between checks, grow with them."""
     return FREE_PERIOD_PER_PEER_S * max(1, peers)
+
+
+def crowded(cpus, ncpus: int) -> bool:
+    """Whether ranks seen on ``cpus`` (a CPU number each; -1, unknown, left out) crowd a CPU: some
+    CPU holds more of them than an even spread over ``ncpus`` CPUs puts on one. What the examples
+    that measure placement (loaded_latency.py, unstack.py) count."""
+    seen = [int(c) for c in cpus if c >= 0]
+    return bool(seen) and max(collections.Counter(seen).values()) > -(-len(cpus) // max(1, ncpus))
 
 
 def target(mine: int, crowd: int, count: dict[int, int]) -> int | None:

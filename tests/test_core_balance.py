@@ -82,6 +82,12 @@ def test_the_rule_moves_only_off_a_cpu_two_runnable_ranks_more_crowded():
     assert core_balance.target(0, 3, {0: 3, 1: 2}) is None     # one more: a move would only swap them
     assert core_balance.target(0, 1, {0: 3, 1: 1}) is None     # the others on 0 sleep
     assert core_balance.target(5, 3, {0: 0, 1: 0}) is None     # this CPU is not one it may use
+    assert core_balance.crowded([0, 0, 1, 1], 2) is False        # two and two
+    assert core_balance.crowded([0, 0, 0, 1], 2) is True         # three and one
+    assert core_balance.crowded([3, 3], 2) is True               # a pair on one CPU
+    assert core_balance.crowded([3, 3], 1) is False              # ... which is all there is
+    assert core_balance.crowded([2, -1], 2) is False             # one unknown: left out
+    assert core_balance.crowded([-1, -1], 2) is False            # nothing known
 
 
 @needs_two

@@ -96,11 +96,9 @@ def slow_lines(mine: dict, peers: dict, slow: float = SLOW) -> list[str]:
         placed = row[key]
         if placed.get("skipped") or not placed.get("run_seconds") or not placed["seconds"]:
             continue
-        nruns = len(placed["run_seconds"])
-        steals = placed.get("run_steal_s") or [None] * nruns
-        spans = placed.get("run_spans") or [None] * nruns
-        shares = placed.get("run_on_cpu") or [None] * nruns
-        for k, (took, span, stolen, on_cpu) in enumerate(zip(placed["run_seconds"], spans, steals, shares)):
+        each = [placed.get(field) or [None] * len(placed["run_seconds"])
+                for field in ("run_spans", "run_steal_s", "run_on_cpu")]
+        for k, (took, span, stolen, on_cpu) in enumerate(zip(placed["run_seconds"], *each)):
             if took > slow * placed["seconds"]:
                 lines.append("#   %d %s %s, run %d: %.1fx (%s a call, median %s%s); steal %s; on CPU %s" % (
                     row["size"], who, "in place" if key == "ip" else "out of place", k + 1,

@@ -165,7 +165,8 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
     on_cpu = (time.thread_time() - on_cpu) / max(seconds * iters, 1e-9)
     span = [began, time.monotonic()]   # CLOCK_MONOTONIC: a run can be cut out of `perf record -k CLOCK_MONOTONIC`
     if stolen is not None:
-        stolen = max(0.0, (machine.steal_seconds() or stolen) - stolen)
+        now = machine.steal_seconds()
+        stolen = None if now is None else now - stolen   # a counter that only grows
     wrong = -1.0  # not checked: nccl-tests prints N/A (and does not check in-place sendrecv either)
     if cfg["check"] and not (coll == "sendrecv" and in_place):
         wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
