@@ -393,11 +393,21 @@ class Communicator:
         # time (the progress token), and the arrays may be new views of the same memory (reshape).
         call = known.call
         call.seq, call.inp, call.out = seq, x, y
-        self._executor._call, self._executor._nsteps = call, lane.nsteps   # the watchdog's position
-        # The lane is the engine here: inside _execute_now's handler, so that Ctrl-C after the
-        # loop returned mid-call (signals wait for compiled code to return) breaks the communicator.
+        ex = self._executor
+        ex._call, ex._nsteps = call, lane.nsteps   # the watchdog's position
+        # _execute_now, inlined (0.06 us of a 64 KiB broadcast's 1.1 us of Python): the lane is the
+        # engine, inside the same handler, so that Ctrl-C after the loop returned mid-call (signals
+        # wait for compiled code to return) breaks the communicator. Keep the two alike.
         try:
-            self._execute_now(known.sched, call, lane)
+            if self._broken is not None or self._ordinal >= self._balance_at:
+                self._execute_now(known.sched, call, lane)   # its refusal, or the core balance's tick first
+                return
+            try:
+                lane.run(known.sched, call)
+            except BaseException as e:
+                self._failed(e, known.sched, call)
+                raise
+            ex._call = ex.links.call = None
         finally:
             call.inp = call.out = None
 
@@ -475,30 +485,34 @@ class Communicator:
             self._balance_at = self._ordinal + self._executor.balance.tick()
         try:
             engine.run(sched, call)
-        except RingcommError as e:
-            # A failed collective leaves peers and FIFOs in an unknown state: refuse later
-            # calls, and close the links so the peers waiting on this rank learn it now.
-            self._break(str(e))
-            if self._owns_store and self.rank == 0 and self._executor.watchdog is not None:
-                # This process hosts the store: keep it up while the others report (at exit,
-                # so a program that catches the error loses no time).
-                atexit.register(self._executor.watchdog.linger)
-            raise
         except BaseException as e:
-            # Anything else that stops a call once bytes have moved (Ctrl-C, an exception from a
-            # signal handler) leaves it half done: the next call would take this one's slices in
-            # the FIFOs for its own and return wrong numbers without a word. So it breaks the
-            # communicator as a failure does. Argument errors raised before the executor started
-            # (a device buffer on another GPU, say) leave it usable.
-            moved = self._started(sched if call is None else [(sched, call)])
-            if moved is not None:
-                self._break(f"{moved.name} #{moved.seq} was interrupted by {type(e).__name__} after it "
-                            f"had started moving data")
+            self._failed(e, sched, call)
             raise
         # Done: the executor lets go of the call and its arrays (the user may free them now; the
         # watchdog asks where a rank is only while it waits in a call)
         ex = self._executor
         ex._call = ex.links.call = None
+
+    def _failed(self, e: BaseException, sched, call) -> None:
+        """What a call that raised ``e`` leaves (the caller re-raises it): a failed collective leaves
+        peers and FIFOs in an unknown state, so the communicator refuses later calls and closes its
+        links, so that the peers waiting on this rank learn it now."""
+        if isinstance(e, RingcommError):
+            self._break(str(e))
+            if self._owns_store and self.rank == 0 and self._executor.watchdog is not None:
+                # This process hosts the store: keep it up while the others report (at exit,
+                # so a program that catches the error loses no time).
+                atexit.register(self._executor.watchdog.linger)
+            return
+        # Anything else that stops a call once bytes have moved (Ctrl-C, an exception from a
+        # signal handler) leaves it half done: the next call would take this one's slices in
+        # the FIFOs for its own and return wrong numbers without a word. So it breaks the
+        # communicator as a failure does. Argument errors raised before the executor started
+        # (a device buffer on another GPU, say) leave it usable.
+        moved = self._started(sched if call is None else [(sched, call)])
+        if moved is not None:
+            self._break(f"{moved.name} #{moved.seq} was interrupted by {type(e).__name__} after it "
+                        f"had started moving data")
 
     def _started(self, members):
         """Which of ``members`` [(schedule, Call)] an executor has started, if any: the host

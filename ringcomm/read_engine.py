@@ -145,11 +145,15 @@ class ReadLane:
         self.args = args   # the compiled call's argument block, filled but for the call's number
 
     def run(self, sched, call) -> None:
-        e = self.engine
-        e.calls += 1
-        self.args[read_native.A_CALLS] = e.calls
+        e, a = self.engine, self.args
+        e.calls = a[read_native.A_CALLS] = e.calls + 1
+        # A copy-only call ends in its one compiled call: _resume is for the rest (a reducing step
+        # for Python, or a wait handed back). 0.09 us of a 64 KiB broadcast's ~1.2 us of Python.
+        got = e.run_call(a)
+        if got == read_native.DONE:
+            return
         ain, aout = call.addrs
-        went = e._drive(self.ex, sched, call, self.plan, ain, aout, self.args)
+        went = e._resume(self.ex, sched, call, self.plan, ain, aout, a, got)
         if went is not None:
             e.go_on(self.ex, sched, call, self.plan, ain, aout, *went)
 
@@ -281,6 +285,11 @@ class ReadEngine:
         call resumed after it: None when the call finished, else (step, whether its sync arrivals
         are published) from which Python's steps go on."""
         got = self.run_call(a)
+        return None if got == read_native.DONE else self._resume(ex, sched, call, plan, ain, aout, a, got)
+
+    def _resume(self, ex, sched, call, plan: _Plan, ain: int, aout: int, a: np.ndarray, got: int):
+        """_drive after a compiled call that returned ``got``, not DONE: each reducing step run here
+        and the compiled call resumed after it, until it finishes or hands the call back."""
         try:
             while got == read_native.REDUCE:
                 nxt = self._fetch_step(ex, sched, call, plan, ain, aout, int(self.res[0]))

@@ -476,3 +476,43 @@ def test_the_arrays_of_finished_calls_are_not_kept_alive(cma):
     with World(2, env, timeout=30) as w:
         for freed in w.run(_one_call_each):
             assert all(freed), freed
+
+
+def _interleaved(comm):
+    """One buffer in several calls taken in turn (the roots, the ops and the collectives alternate
+    call by call): each repeat finds its own entry, and every result is right."""
+    r, n = comm.rank, comm.world_size
+    buf = np.zeros(4, np.int64)
+    for i in range(4):
+        for root in range(n):
+            buf[...] = 10 * r + i
+            comm.broadcast(buf, root)
+            assert (buf == 10 * root + i).all(), (root, buf)
+        for op, want in (("sum", sum(range(1, n + 1))), ("max", n)):
+            buf[...] = r + 1
+            comm.all_reduce(buf, op)
+            assert (buf == want).all(), (op, buf)
+    return len(comm._known.entries)
+
+
+@pytest.mark.timeout(60)
+def test_calls_that_take_turns_on_one_buffer_each_find_their_own_entry():
+    with World(2, {}, timeout=30) as w:
+        assert w.run(_interleaved) == [4, 4]   # two roots, two ops
+
+
+def test_the_latest_look_up_never_outlives_its_entry():
+    from ringcomm.known_calls import MAX_ENTRIES, KnownCalls
+    known = KnownCalls()
+    arrays = [np.zeros(2) for _ in range(MAX_ENTRIES + 3)]
+    for a in arrays:
+        known.remember(a, None, ("all_reduce", "sum", None), "sum", "ring", None)
+    assert len(known.entries) == len(known.latest) == MAX_ENTRIES
+    assert known.get(arrays[0], None, ("all_reduce", "sum", None)) is None       # the oldest went
+    assert known.get(arrays[-1], None, ("all_reduce", "sum", None)) is not None
+    assert known.get(arrays[-1], None, ("all_reduce", "max", None)) is None      # other arguments
+    # arguments whose == cannot answer (an array for a root) are not remembered calls: the checked
+    # path explains them
+    assert known.get(arrays[-1], None, ("all_reduce", np.array([1, 2]), None)) is None
+    known.forget()
+    assert not known.entries and not known.latest
