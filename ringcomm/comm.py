@@ -494,9 +494,9 @@ class Communicator:
         ex._call = ex.links.call = None
 
     def _failed(self, e: BaseException, sched, call) -> None:
-        """What a call that raised ``e`` leaves (the caller re-raises it): a failed collective leaves
-        peers and FIFOs in an unknown state, so the communicator refuses later calls and closes its
-        links, so that the peers waiting on this rank learn it now."""
+        """A call raised ``e`` (the caller re-raises it). A failed collective leaves peers and FIFOs
+        in an unknown state: the communicator refuses later calls and closes its links, and the
+        peers waiting on this rank learn it now."""
         if isinstance(e, RingcommError):
             self._break(str(e))
             if self._owns_store and self.rank == 0 and self._executor.watchdog is not None:
