@@ -3,6 +3,10 @@ the checks, and only when their outcome cannot have changed."""
 from __future__ import annotations
 
 import gc
+import pathlib
+import re
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -516,3 +520,26 @@ def test_the_latest_look_up_never_outlives_its_entry():
     assert known.get(arrays[-1], None, ("all_reduce", np.array([1, 2]), None)) is None
     known.forget()
     assert not known.entries and not known.latest
+
+
+@pytest.mark.timeout(120)
+def test_call_layers_example_times_each_layer_of_a_known_call():
+    """examples/call_layers.py, the measurement docs/06 "The small call" quotes, under the launcher:
+    every layer of both calls timed, the stubbed layers cheaper than the real calls they stand in
+    for (a 64 KiB broadcast moves data between processes; a stub returns at once), and the real
+    calls right afterwards (a wrong one exits non-zero)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", "examples/call_layers.py",
+                          "--calls", "2000"], capture_output=True, text=True, timeout=110, cwd=root)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = {}
+    for line in out.stdout.splitlines():
+        m = re.match(r"\[rank 0\] (\S.*?)\s+([\d.]+)\s+([\d.]+)$", line)
+        if m:
+            rows[m[1]] = (float(m[2]), float(m[3]))
+    assert set(rows) == {"compiled stub", "lane.run", "comm._run_known", "KnownCalls.get alone",
+                         "the public method", "the real call"}, out.stdout
+    assert all(a > 0 and b > 0 for a, b in rows.values()), rows
+    assert rows["compiled stub"][1] < rows["the real call"][1], rows
+    assert re.search(r"\(lane\)\s+Lane\s+(Read)?Lane", out.stdout), out.stdout
+    assert "results after the stubs: right" in out.stdout
