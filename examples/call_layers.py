@@ -45,8 +45,9 @@ def per_call(fn, calls: int) -> float:
     return best * 1e6
 
 
-def layers(comm, name: str, public, buf, args: tuple, calls: int) -> dict:
-    """Each layer of the known call ``public()`` on ``buf``, stubbed, then the real call (us)."""
+def layers(comm, name: str, public, buf, args: tuple, calls: int) -> tuple[dict, str]:
+    """({layer: us a call}, the lane's kind) for the known call ``public()`` on ``buf``: each layer
+    with the compiled part stubbed, then the real call. ``args``: the call's known-call key."""
     for _ in range(300):   # remembered, given its lane, and warm
         public()
     known = comm._known.get(buf, None, args)
