@@ -52,8 +52,8 @@ class KnownCalls:
     def __init__(self):
         self.entries: dict = {}   # (id(buf), id(out), args) -> KnownCall
         # id(buf) -> the call last found or remembered on buf: a loop repeats its calls, and this
-        # look-up hashes one int where the key above hashes two tuples (a 64 KiB broadcast's
-        # Python, 2 ranks: 1.18 -> 1.11 us a call; a tenth of the 8-byte all_reduce's)
+        # look-up hashes one int where the key above hashes two tuples (get() 0.37 -> 0.32 us a
+        # call; examples/call_layers.py)
         self.latest: dict = {}
 
     def get(self, buf, out, args: tuple) -> KnownCall | None:
