@@ -59,7 +59,7 @@ def run(comm, a, mask):
     pids = np.empty(comm.world_size, np.int64)
     comm.all_gather(np.array([os.getpid()], np.int64), pids)
     n = comm.world_size
-    crowded = [{mask[0]}] * n if n == 2 else [{mask[0]}] * (n - 1) + [{mask[1]}]
+    stacked = [{mask[0]}] * n if n == 2 else [{mask[0]}] * (n - 1) + [{mask[1]}]
     ends, cpus, releases, due = [], [], [], np.zeros(1, np.int64)
     next_at = time.perf_counter() + a.every_s
     while len(releases) < a.episodes or len(ends) < releases[-1] + 20 * SPREAD_CALLS:
@@ -67,7 +67,7 @@ def run(comm, a, mask):
             due[0] = comm.rank == 0 and time.perf_counter() >= next_at
             comm.broadcast(due, 0)
             if due[0]:
-                pin(comm, pids, crowded)
+                pin(comm, pids, stacked)
                 for _ in range(a.pin_calls):
                     comm.all_reduce(x, out=y)
                 pin(comm, pids, [set(mask)] * n)

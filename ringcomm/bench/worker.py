@@ -30,6 +30,7 @@ from . import machine, reproducible, spec, verify
 from .backends import Unsupported, make_backend, python_facts
 
 PREFIX = "RCBENCH "
+ROW_STATS = 3   # what every rank gathers after a row's timed calls (measure): time, wrong, on-CPU share
 # Test hook: flip one element of rank 0's checked result in every ringcomm row, so a test can prove
 # that a wrong result is counted (and fails the run). Never set it outside a test.
 CORRUPT_ENV = "RINGCOMM_BENCH_CORRUPT"
@@ -170,7 +171,7 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
     wrong = -1.0  # not checked: nccl-tests prints N/A (and does not check in-place sendrecv either)
     if cfg["check"] and not (coll == "sendrecv" and in_place):
         wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
-    stats = be.gather_f64([seconds, wrong, on_cpu])
+    stats = be.gather_f64([seconds, wrong, on_cpu])   # ROW_STATS values
     return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters, "span": span, "steal_s": stolen,
             "rank_seconds": stats[:, 0].tolist(), "on_cpu": stats[:, 2].tolist(),
             "rank_wrong": None if stats[0, 1] < 0 else [int(w) for w in stats[:, 1]]}
@@ -222,7 +223,7 @@ def run(be, cfg) -> None:
     # collective has connected (~20 ms on 4 ranks). Done inside a row, by a rank that finished its
     # timed calls first, it took a core from peers still timing theirs: their last call of the
     # first row took 2-10 ms (4 ranks on 2 cores, 64 KiB all_reduce).
-    be.gather_f64([0.0, 0.0, 0.0])   # as each row gathers: time, wrong, on-CPU share
+    be.gather_f64([0.0] * ROW_STATS)   # as each row gathers
     be.barrier()
     first_warm_s = FIRST_ROW_WARM_S if cfg["warmup"] else 0.0
     for algo in cfg["algos"]:
