@@ -310,6 +310,56 @@ def test_read_after_write_names_the_step_of_the_planted_fault():
     assert "postcondition: FAILS" in rep.summary() and "read-after-write at rank 1, step 1" in rep.summary()
 
 
+LAYOUTS = (SPLIT, BLOCK, OWN)
+
+
+@pytest.mark.parametrize("n", (2, 3))
+@pytest.mark.parametrize("collective", ["all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter",
+                                        "gather", "scatter"])
+def test_schedules_relabelled_to_other_layouts_are_refused(collective, n):
+    """Layouts say which memory a chunk is; the expected contributions and the in-place aliases
+    are the API's only under the collective's own. Relabelled, the issue's planted fault
+    (late_send, SPLIT -> OWN) was certified and gave 212 in place, a broadcast relabelled
+    SPLIT -> OWN destroyed the root's data, and an all_gather relabelled OWN -> ... read past
+    its input: every relabelling must be refused, by verify and by registration."""
+    root = n - 1 if collective in ROOTED else None
+    algos = [a for a in catalogue.ALGOS[collective] if a not in catalogue.REGISTERED_ONLY]
+    own = {(s.in_layout, s.out_layout) for a in algos for s in build(collective, a, n, root)}
+    assert len(own) == 1, own  # every built-in uses the collective's layouts
+    for algo in algos:
+        for ins in LAYOUTS:
+            for outs in LAYOUTS:
+                if (ins, outs) in own:
+                    continue
+                scheds = [dataclasses.replace(s, in_layout=ins, out_layout=outs)
+                          for s in build(collective, algo, n, root)]
+                rep = verdict(collective, scheds, root=root)
+                assert not rep.ok and rep.kinds == {F.MALFORMED}, (algo, ins, outs, rep.summary())
+                assert f"cuts its buffers as {ins} -> {outs}" in str(rep.failures[0])
+                with pytest.raises(ScheduleError, match="malformed"):
+                    check(collective, scheds, root=root)
+
+
+def test_late_send_relabelled_is_refused_by_registration():
+    def relabelled(rank, n):
+        return dataclasses.replace(late_send(rank, n), out_layout=OWN)
+    with pytest.raises(ScheduleError) as err:
+        ringcomm.register_algorithm("late_send_own", "all_reduce", relabelled, sizes=(3,))
+    assert err.value.kinds == {F.MALFORMED} and "split -> own" in str(err.value)
+    assert "late_send_own" not in ringcomm.algorithms.algorithms("all_reduce")
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_to_all"])
+def test_block_layouts_need_a_block_per_rank(collective):
+    """A BLOCK, OWN, TO or FROM buffer has a block per rank (all_to_all: per source and
+    destination): more chunks would name blocks past the buffer's end."""
+    n = 3
+    algo = next(a for a in catalogue.ALGOS[collective] if a not in catalogue.REGISTERED_ONLY)
+    scheds = [dataclasses.replace(s, nchunks=s.nchunks + n) for s in build(collective, algo, n)]
+    rep = verdict(collective, scheds)
+    assert rep.kinds == {F.MALFORMED} and "chunks; under" in str(rep.failures[0]), rep.summary()
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_read_after_write_broadcast_root_overwritten_first(n):
     """The root receives a non-root's (meaningless) buffer into its own before sending it."""

@@ -24,11 +24,11 @@ contributions); ``stage=`` on copy/reduce groups sends into one message for the 
 """
 from __future__ import annotations
 
-from .step import BLOCK, FROM, KINDS, OWN, SPLIT, TO, Schedule, Step
+from .spec import SPECS, nchunks_needed
+from .step import KINDS, OWN, TO, Schedule, Step
 
-LAYOUTS = {"all_reduce": (SPLIT, SPLIT), "broadcast": (SPLIT, SPLIT), "reduce": (SPLIT, SPLIT),
-           "reduce_scatter": (BLOCK, OWN), "all_gather": (OWN, BLOCK), "gather": (OWN, BLOCK),
-           "scatter": (BLOCK, OWN), "all_to_all": (TO, FROM)}
+# The buffers' layouts each collective's API uses (spec.SPECS): every collective with data.
+LAYOUTS = {c: sp.layouts for c, sp in SPECS.items() if c != "barrier"}
 # all_to_all's chunk s * n + d is the block rank s sends rank d: n * n chunks, rank s owns s * n .. s * n + n-1
 
 
@@ -119,10 +119,11 @@ class Program:
             raise ValueError(f"Program: collective must be one of {sorted(LAYOUTS)}, got {collective!r}")
         if not isinstance(n, int) or n < 1 or not isinstance(nchunks, int) or nchunks < 1:
             raise ValueError(f"Program: need n >= 1 and nchunks >= 1, got n={n!r} nchunks={nchunks!r}")
-        if collective == "all_to_all" and nchunks != n * n:
-            raise ValueError(f"all_to_all has a chunk per (source, destination): nchunks must be {n * n}")
-        if LAYOUTS[collective][0] not in (SPLIT, TO) and nchunks != n:
-            raise ValueError(f"{collective} has one chunk per rank (block r is rank r's): nchunks must be {n}")
+        need = nchunks_needed(collective, n)
+        if collective == "all_to_all" and nchunks != need:
+            raise ValueError(f"all_to_all has a chunk per (source, destination): nchunks must be {need}")
+        if need is not None and nchunks != need:
+            raise ValueError(f"{collective} has one chunk per rank (block r is rank r's): nchunks must be {need}")
         self.collective, self.n, self.nchunks, self.name = collective, n, nchunks, name
         self.values: list[Value] = []
         self._count = 0

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from . import peer_read
 from .faults import (DEADLOCK, MALFORMED, POST_OP, READ_AFTER_WRITE, TWICE, UNMATCHED, Failure,
                      ScheduleError)
-from .spec import IN_PLACE, aliases, input_name, output_cell, postcondition, spec
+from .spec import IN_PLACE, aliases, input_name, layout_failures, output_cell, postcondition, spec
 from .step import SPLIT, Schedule, Step
 from .values import Result, Sym
 
@@ -379,6 +379,9 @@ def check(collective: str, schedules: list[Schedule], root: int | None = None, *
         if isinstance(s, Schedule) and s.collective != collective:
             raise ScheduleError([Failure(MALFORMED, r, None, None, f"rank {s.rank}'s schedule is for "
                                          f"{s.collective}, not {collective}")])
+    wrong_shape = layout_failures(collective, schedules)
+    if wrong_shape:
+        raise ScheduleError(wrong_shape)
     res = simulate(schedules, in_place=IN_PLACE in sp.forms, **kw)
     failures = list(res.faults)
     failures += postcondition(collective, res, schedules, root)

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .faults import CLOBBER, MISPLACED, MISSING, POST_OP, TWICE, Failure
+from .faults import CLOBBER, MALFORMED, MISPLACED, MISSING, POST_OP, TWICE, Failure
 from .step import BLOCK, FROM, OWN, SPLIT, TO, Schedule
 from .values import Result, Sym
 
@@ -38,6 +38,10 @@ class Spec:
     reduces: bool = False           # outputs are reductions: each needs a final (post-op) step
     rooted: bool = False
     forms: tuple[str, ...] = (OUT_OF_PLACE, IN_PLACE)
+    # (input layout, output layout): how the API's buffers are cut into chunks (step.py). The
+    # expected contributions and the in-place aliases mean something only under these, so a
+    # schedule that declares others is refused (layout_failures), not checked against them.
+    layouts: tuple[str, str] = (SPLIT, SPLIT)
 
 
 def _full(n: int, c: int) -> tuple:
@@ -46,10 +50,10 @@ def _full(n: int, c: int) -> tuple:
 
 SPECS: dict[str, Spec] = {
     "all_reduce": Spec(lambda n, k, r, root: [(c, _full(n, c)) for c in range(k)], reduces=True),
-    "reduce_scatter": Spec(lambda n, k, r, root: [(r % k, _full(n, r))], reduces=True),
+    "reduce_scatter": Spec(lambda n, k, r, root: [(r % k, _full(n, r))], reduces=True, layouts=(BLOCK, OWN)),
     "reduce": Spec(lambda n, k, r, root: [(c, _full(n, c)) for c in range(k)] if r == root else [],
                    reduces=True, rooted=True),
-    "all_gather": Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)]),
+    "all_gather": Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)], layouts=(OWN, BLOCK)),
     # broadcast has only one buffer: the root's input is its output
     "broadcast": Spec(lambda n, k, r, root: [(c, ((root, c),)) for c in range(k)], rooted=True,
                       forms=(IN_PLACE,)),
@@ -57,11 +61,11 @@ SPECS: dict[str, Spec] = {
     "barrier": Spec(lambda n, k, r, root: [], forms=()),
     # chunk s * n + d: rank s's input block for d, as it was; out may not overlap buf
     "all_to_all": Spec(lambda n, k, r, root: [(s * n + r, ((s, s * n + r),)) for s in range(n)],
-                       forms=(OUT_OF_PLACE,)),
+                       forms=(OUT_OF_PLACE,), layouts=(TO, FROM)),
     # in place on the root: gather's buf is out's block root, scatter's out is buf's block root
     "gather": Spec(lambda n, k, r, root: [(c, ((c, c),)) for c in range(k)] if r == root else [],
-                   rooted=True),
-    "scatter": Spec(lambda n, k, r, root: [(r % k, ((root, r),))], rooted=True),
+                   rooted=True, layouts=(OWN, BLOCK)),
+    "scatter": Spec(lambda n, k, r, root: [(r % k, ((root, r),))], rooted=True, layouts=(BLOCK, OWN)),
 }
 
 
@@ -70,6 +74,38 @@ def spec(collective: str) -> Spec:
     if s is None:
         raise ValueError(f"check() knows {tuple(SPECS)}, not {collective!r}")
     return s
+
+
+def nchunks_needed(collective: str, n: int) -> int | None:
+    """The chunk count a schedule of ``collective`` on ``n`` ranks must have; None: any (>= 1).
+    A SPLIT buffer may be cut into any number of chunks; a BLOCK or OWN one has a block per rank
+    (block r is rank r's), and all_to_all a block per (source, destination)."""
+    ins, outs = spec(collective).layouts
+    if ins == SPLIT and outs == SPLIT:
+        return None
+    return n * n if ins == TO else n
+
+
+def layout_failures(collective: str, schedules) -> list[Failure]:
+    """MALFORMED failures for schedules whose layouts or chunk count are not ``collective``'s.
+    Relabelled layouts would make the expected contributions and the in-place aliases describe
+    other memory than the API's buffers, so the check could certify a schedule that computes
+    the wrong thing or reads past a buffer's end."""
+    want, n = spec(collective).layouts, len(schedules)
+    k = nchunks_needed(collective, n)
+    out = []
+    for r, s in enumerate(schedules):
+        if not isinstance(s, Schedule):
+            continue  # simulate's validation names it
+        if (s.in_layout, s.out_layout) != want:
+            out.append(Failure(MALFORMED, r, None, None, f"rank {r}'s {collective} schedule cuts its buffers "
+                               f"as {s.in_layout} -> {s.out_layout}; {collective}'s API buffers are "
+                               f"{want[0]} -> {want[1]} (schedule/step.py says what each means)"))
+        elif k is not None and s.nchunks != k:
+            out.append(Failure(MALFORMED, r, None, None, f"rank {r}'s {collective} schedule has {s.nchunks} "
+                               f"chunks; under {want[0]} -> {want[1]} on {n} ranks it needs {k} "
+                               f"(a block per {'(source, destination)' if k == n * n else 'rank'})"))
+    return out
 
 
 def input_name(s: Schedule, chunk: int) -> int:

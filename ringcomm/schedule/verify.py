@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from .faults import DEADLOCK, Failure, ScheduleError
 from .simulate import UNBOUNDED, Sym, _check_pairing, _validate, check
-from .spec import SPECS, spec
+from .spec import SPECS, layout_failures, spec
 from .step import OWN, SPLIT, Schedule, chunk_span
 from .trace import DeadlockError, TracingSim
 
@@ -139,6 +139,9 @@ def verify_schedules(collective: str, scheds: list[Schedule], count: int, *, roo
     rep = Report(collective, algo, len(scheds), count, root)
     try:
         _validate(scheds)
+        wrong_shape = layout_failures(collective, scheds)
+        if wrong_shape:
+            raise ScheduleError(wrong_shape)
         _check_pairing(scheds)
     except ScheduleError as e:  # nothing can run: every shape is unknown
         rep.failures = e.failures
