@@ -14,8 +14,10 @@ class PeerFailure(RingcommError):
     """A peer died, closed its link, or broke the protocol."""
 
 
-class CommunicatorClosed(RingcommError):
-    """The communicator was closed, or an earlier error made it unusable."""
+class CommunicatorClosed(RingcommError, ValueError):
+    """The communicator was closed, or an earlier error made it unusable. A call on it is bad
+    input, refused before any communication: a ValueError too, as Python's own "I/O operation
+    on closed file" is (and a RuntimeError, as every RingcommError)."""
 
 
 class StoreError(RingcommError):

@@ -97,6 +97,8 @@ def test_closed_communicator_refuses_calls():
     comm.close()
     with pytest.raises(ringcomm.CommunicatorClosed, match="closed"):
         comm.barrier()
+    with pytest.raises(ValueError, match="closed"):  # bad input, as a closed file's I/O is
+        comm.all_reduce(np.ones(4, np.float32))
 
 
 def test_any_shape_and_bfloat16(comm):
