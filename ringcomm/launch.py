@@ -23,7 +23,10 @@ import time
 from .env import HOST_CPUS_ENV   # stdlib only, like this module
 
 KILL_AFTER_S = 5.0  # between SIGTERM and SIGKILL
-DEFAULT_TIMEOUT_S = 30.0  # the library's collective timeout when RINGCOMM_TIMEOUT is unset
+# The grace's base when RINGCOMM_TIMEOUT is unset. Not the library's own default timeout (300 s,
+# init.DEFAULT_TIMEOUT): survivors learn of a dead rank from its link or its pid within a
+# patrol, and a job whose rank stalled should not linger five minutes after its first failure.
+DEFAULT_TIMEOUT_S = 30.0
 SHM_DIR = "/dev/shm"
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 
@@ -35,9 +38,10 @@ class LaunchError(Exception):
 def default_grace() -> float:
     """Seconds the surviving ranks get after the first failure before we stop them.
 
-    A survivor usually learns of a dead peer only when its own wait times out (RINGCOMM_TIMEOUT);
-    its error message names the peer and the collective, which is the most useful line of the run.
-    So the grace is that timeout plus 5 s, letting the survivors print it before being stopped.
+    A survivor learns of a dead peer at once (a closed link, a pid gone), but of a stalled one
+    only when its own wait times out (RINGCOMM_TIMEOUT); its error message names the peer and the
+    collective, which is the most useful line of the run. So the grace is that timeout plus 5 s,
+    letting the survivors print it before being stopped (35 s where RINGCOMM_TIMEOUT is unset).
     """
     try:
         timeout = float(os.environ["RINGCOMM_TIMEOUT"])
