@@ -269,7 +269,7 @@ class Executor:
         else:
             kind, state = PeerFailure, "failed"
             msg = f"{me} failed {doing} rank {e.peer} over {e.transport}: {e}"
-        return told(self.watchdog, kind, state, msg)
+        return told(self.watchdog, kind, state, msg, e.peer)
 
     def position(self) -> dict:
         """Where this rank is now (for the watchdog)."""

@@ -74,6 +74,7 @@ class Links:
         if self.forced is not None and self.forced not in TRANSPORTS:
             raise ValueError(f"RINGCOMM_TRANSPORT={self.forced!r}: choose one of {', '.join(TRANSPORTS)}")
         self.me = host_id()
+        self.hosts: list[str] = []  # every rank's host_id, once the roster has them (assemble)
         ctx.store.set(f"{ctx.prefix}/host/{ctx.rank}", self.me.encode())
         self.rdma = (self.forced in (None, "ibverbs") and ctx.world_size > 1
                      and _rdma_usable(self.forced, ctx.rank))
@@ -123,8 +124,11 @@ class Links:
         if self.forced:
             return self.forced
         if peer not in self.kinds:
-            key = f"{self.ctx.prefix}/host/{peer}"
-            theirs = wait_key(self.ctx, key, time.monotonic() + self.timeout, peer, "the store").decode()
+            if self.hosts:  # every rank's host, from the roster: no store needed
+                theirs = self.hosts[peer]
+            else:
+                key = f"{self.ctx.prefix}/host/{peer}"
+                theirs = wait_key(self.ctx, key, time.monotonic() + self.timeout, peer, "the store").decode()
             self.kinds[peer] = "shm" if theirs == self.me else self._network(peer)
         return self.kinds[peer]
 
@@ -147,16 +151,25 @@ class Links:
             raise told(self.ctx.watchdog, CollectiveTimeout, "timed out",
                        f"rank {self.ctx.rank} (this process) timed out after {self.timeout:g} s: could not connect "
                        f"to rank {peer} ({direction}{self._purpose()}) over {name} within the timeout of this "
-                       f"communicator: {e}") from None
+                       f"communicator: {e}", peer) from None
         except Aborted as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) was aborted while connecting to rank "
                                 f"{peer} ({direction}{self._purpose()}) over {name}: {e}") from None
         except (PeerGone, StoreError) as e:
             raise told(self.ctx.watchdog, PeerFailure, "failed", f"rank {self.ctx.rank} (this process) could not "
-                       f"connect to rank {peer} ({direction}{self._purpose()}) over {name}: {e}") from None
+                       f"connect to rank {peer} ({direction}{self._purpose()}) over {name}: {e}"
+                       + (self.known_dead() if isinstance(e, StoreError) else ""), peer) from None
         except (OSError, ImportError, LookupError) as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                 f"({direction}{self._purpose()}) over {name}: {e}") from e
+
+    def known_dead(self) -> str:
+        """" (rank 0 (pid 123) died)" for the ranks known dead, or "": what a lost store
+        usually means (the rank that hosted it died), said where the store's loss is reported."""
+        gone = self.ctx.peer_gone
+        dead = [f"rank {p} {why}" for p in range(self.ctx.world_size)
+                if p != self.ctx.rank and gone is not None and (why := gone(p))]
+        return f" ({'; '.join(dead)})" if dead else ""
 
     def _purpose(self) -> str:
         return f", for {self.call.name} #{self.call.seq}" if self.call is not None else ""

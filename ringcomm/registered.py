@@ -39,7 +39,7 @@ from ringcomm.transport.base import (PATROL_PERIOD, Aborted, Backoff, PeerGone, 
 from . import peer_maps, plain_read
 from .buffers import address
 from .catalogue import ALGOS
-from .errors import CollectiveTimeout, RingcommError
+from .errors import CollectiveTimeout, PeerFailure, RingcommError, StoreError
 from .ctl_layout import CLOSED, MAPPED, PID, ctl_words, sleep_flag
 from .read_engine import ReadEngine
 from .schedule.onecopy import ALGO
@@ -173,6 +173,7 @@ class Registry:
         self.engine = ReadEngine(self)
         self.closed = False
         self.cma = None                 # whether every pair can read plain buffers by CMA; None: not probed
+        self.doing = ""                 # the call that may probe CMA ("all_reduce #3"), for messages
 
     def _others(self):
         return [p for p in range(self.n) if p != self.rank]
@@ -254,7 +255,12 @@ class Registry:
                 self.cma = False
             else:  # probed even where RINGCOMM_CMA=0: that rank's "no" must reach the others
                 self._ensure_ctl()
-                self.cma = plain_read.setup(self, self.ctl.words, MAGIC)
+                try:
+                    self.cma = plain_read.setup(self, self.ctl.words, MAGIC)
+                except StoreError as e:  # the store's host died: say who, in which call
+                    dead = [f"rank {p} {why}" for p in self._others() if (why := self.ctx.peer_gone(p))]
+                    raise PeerFailure(f"rank {self.rank} (this process) failed probing CMA{self._purpose()} "
+                                      f"over shm: {e}" + (f" ({'; '.join(dead)})" if dead else "")) from None
                 from ringcomm.transport import shm
                 for path in self.named:  # every peer mapped the control segment before its verdict
                     shm.unlink_tracked(path)
@@ -263,14 +269,18 @@ class Registry:
 
     def published(self, key: str, p: int, deadline: float, what: str) -> bytes:
         """A store key rank p publishes, with the communicator's deadline and errors."""
+        me, why = f"rank {self.rank} (this process)", f"rank {p} to {what}{self._purpose()} over shm"
         try:
             return wait_key(self.ctx, key, deadline, p, "shm")
         except PeerTimeout:
-            raise CollectiveTimeout(f"rank {self.rank} (this process) timed out after {self.timeout:g} s waiting "
-                                    f"for rank {p} to {what} over shm") from None
+            raise CollectiveTimeout(f"{me} timed out after {self.timeout:g} s waiting for {why}") from None
         except Aborted as e:
-            raise RingcommError(f"rank {self.rank} (this process) was aborted while waiting for rank {p} "
-                                f"to {what}: {e}") from None
+            raise RingcommError(f"{me} was aborted while waiting for {why}: {e}") from None
+        except (PeerGone, StoreError) as e:
+            raise PeerFailure(f"{me} failed waiting for {why}: {e}") from None
+
+    def _purpose(self) -> str:
+        return f", for {self.doing}" if self.doing else self.links._purpose()
 
     def _create(self, size: int) -> _Map:
         global _serial
@@ -411,3 +421,7 @@ class Registry:
         for seg in self.peers.values():
             seg.close()
         self.peers.clear()
+        # This rank's own segments: each mapping holds a file descriptor until it is closed. An
+        # allocation whose array the user still holds stays mapped (and valid) until it is freed.
+        for seg in ([self.ctl] if self.ctl is not None else []) + self.mine:
+            seg.close()

@@ -81,6 +81,23 @@ class Roster:
             return False
         return False
 
+    def why_gone(self, r: int) -> str:
+        """"" while rank r may live; else why it is known dead, for an error message. Cheap
+        enough for every patrol of a wait: a peer on this host is looked up in /proc, one on
+        another host probed with a short connect (a refusal proves death, silence does not)."""
+        entry = self.entries[r] if r < len(self.entries) else None
+        if entry is None:
+            return ""
+        if entry["host"] == self.host:
+            return f"(pid {entry['pid']}) died" if process_gone(entry["pid"]) else ""
+        try:
+            self.connect(r, 0.2).close()
+        except ConnectionRefusedError:
+            return f"(on {entry['host']}) died: its socket refuses connections"
+        except OSError:
+            return ""
+        return ""
+
     def accept(self, timeout: float) -> socket.socket | None:
         """The next connection to this rank's socket, or None after ``timeout`` seconds."""
         self.sock.settimeout(max(timeout, 1e-3))

@@ -17,14 +17,27 @@ import time
 
 from .errors import RingcommError
 
-GATHER_SECONDS = 3.0  # how long the first rank waits for the others' positions
+# How long the first rank to time out waits for the others' positions: three patrols, so every
+# rank stuck in a wait answers, while the error comes at most this long after RINGCOMM_TIMEOUT.
+GATHER_SECONDS = 1.5
+FAILED = ("failed", "timed out")  # the states whose records say why a rank stopped
 
 
-def told(watchdog, kind, state: str, msg: str) -> RingcommError:
+def told(watchdog, kind, state: str, msg: str, peer: int | None = None) -> RingcommError:
     """The error ``kind(msg)`` for a rank that failed ("timed out", "aborted" or "failed"), told
     to ``watchdog`` (None: no watchdog): the first rank to time out adds where every rank was.
-    A failed wait (executor._explain) and a failed connection (links.Links._connect) end so."""
-    table = watchdog.on_failure(state, msg) if watchdog is not None else ""
+    A failed wait (executor._explain) and a failed connection (links.Links._connect) end so.
+
+    ``peer`` is the rank this one waited on. If that rank had failed before, the message ends
+    with the failure that started it all, passed on from rank to rank: when rank 5 of a ring of
+    8 dies, rank 6 sees it die, and rank 7, which only sees rank 6 close its link, still names
+    rank 5 (so does every rank after it)."""
+    if watchdog is None:
+        return kind(msg)
+    first = watchdog.first_failure(peer) if peer is not None and state != "aborted" else None
+    if first:
+        msg = f"{msg}; the first failure: {first}"
+    table = watchdog.on_failure(state, msg, first or watchdog.as_cause(msg))
     return kind(f"{msg}\nwhere every rank was:\n{table}" if table else msg)
 
 
@@ -48,14 +61,33 @@ class Watchdog:
         except (RingcommError, OSError):
             pass  # the store may be gone with rank 0; the wait's own deadline still holds
 
-    def _publish(self, state: str, detail: str = "") -> None:
-        where = dict(self.position() if self.position else {}, state=state, detail=detail)
+    def _publish(self, state: str, detail: str = "", cause: str = "") -> None:
+        where = dict(self.position() if self.position else {}, state=state, detail=detail, cause=cause)
         self.store.set(self._key(f"pos/{self.rank}"), json.dumps(where))
 
-    def on_failure(self, state: str, detail: str) -> str:
-        """Record this rank's failure; if it is the first timeout, return the table of all ranks."""
+    def as_cause(self, msg: str) -> str:
+        """This rank's own failure message as another rank quotes it: "rank 6 failed waiting ...
+        from rank 5 ...: rank 5 (pid 1234) died while rank 6 waited ..." (no "this process")."""
+        me = f"rank {self.rank}"
+        return msg.replace(f"{me} (this process)", me, 1).replace("this rank", me)
+
+    def first_failure(self, peer: int) -> str | None:
+        """The failure that started it all, as ``peer`` recorded it when it failed (before it
+        closed its links, so before this rank can see it gone); None if it recorded none: it
+        died, stalled, or left without failing."""
         try:
-            self._publish(state, detail)
+            where = json.loads(self.store.get(self._key(f"pos/{peer}"), timeout=0.05))
+        except (RingcommError, OSError, ValueError):
+            return None
+        if where.get("state") not in FAILED:
+            return None  # a position published for a table, not a failure
+        return where.get("cause") or where.get("detail") or None
+
+    def on_failure(self, state: str, detail: str, cause: str = "") -> str:
+        """Record this rank's failure (``cause``: the first failure, for the ranks that wait on
+        this one); if it is the first timeout, return the table of all ranks."""
+        try:
+            self._publish(state, detail, cause)
             if self.store.add(self._key("failed"), 1) == self.world_size:
                 self.store.set(self._key("settled"), b"1")  # everyone has said where it is
             if state != "timed out" or self.store.add(self._key("timeouts"), 1) != 1:
@@ -63,8 +95,8 @@ class Watchdog:
             self.store.add(self._key("dump"), 1)
             table = format_table(self._gather(), self.world_size)
             self.store.set(self._key("settled"), b"1")
-        except (RingcommError, OSError) as e:
-            return f"(could not collect the other ranks' positions: {e})"
+        except (RingcommError, OSError) as e:  # a table is owed only by the first rank to time out
+            return f"(could not collect the other ranks' positions: {e})" if state == "timed out" else ""
         sys.stderr.write(f"ringcomm: rank {self.rank} timed out first; where every rank is:\n{table}\n")
         sys.stderr.flush()
         return table

@@ -22,6 +22,11 @@ def _open_and_close(comm, transport):
         x = np.ones(100_000, np.float32)
         other.all_reduce(x)
         other.all_gather(x[:10], np.empty(10 * comm.world_size, np.float32))
+        if transport == "shm":  # the single-copy paths map segments: a CMA-sized call, an allocation
+            other.all_reduce(np.ones(1 << 18, np.float32))
+            a = other.alloc(1 << 16, np.float32)
+            other.all_reduce(a)
+            del a
         other.close()
     return leaked_since(before)
 

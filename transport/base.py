@@ -77,6 +77,10 @@ class LinkContext:
     # Busy polls before a wait starts yielding the core. 0 when this host runs more ranks than
     # it has cores: then the rank we wait for may need our core, and spinning only delays it.
     spins: int = 200
+    # peer_gone(rank) -> "" or why that rank is known dead (its pid gone, its socket refusing):
+    # set once every rank's roster entry is known, so that a wait for a store key a dead peer
+    # will never publish ends at the next patrol instead of at the deadline.
+    peer_gone: Any = None
 
 
 def process_gone(pid: int) -> bool:
@@ -190,6 +194,10 @@ def wait_key(ctx: LinkContext, key: str, deadline: float, peer: int, transport: 
         except TimeoutError:  # the store's StoreTimeout is one
             if ctx.watchdog is not None:
                 ctx.watchdog()
+            why = ctx.peer_gone(peer) if ctx.peer_gone is not None else ""
+            if why:
+                raise PeerGone(f"rank {peer} {why} before it published {key!r} in the store", peer=peer,
+                               transport=transport) from None
 
 
 class SendConnection:
