@@ -89,20 +89,20 @@ def init(rank=None, world_size=None, *, store=None, timeout=None) -> Communicato
     owns_store = store is None
     if world_size > 1:
         _clean_shm_on_exit()
-    if store is None:
-        from .store import HashStore, TCPStore
-        if world_size == 1:
-            store = HashStore()
-        else:
-            host, port = _store_address()
-            hosted = STORE_HOSTED_ENV in os.environ and env_switch(STORE_HOSTED_ENV)
-            store = TCPStore(host, port, is_server=rank == 0 and not hosted, token=token, timeout=timeout)
     try:
+        if store is None:
+            from .store import HashStore, TCPStore
+            if world_size == 1:
+                store = HashStore()
+            else:
+                host, port = _store_address()
+                hosted = STORE_HOSTED_ENV in os.environ and env_switch(STORE_HOSTED_ENV)
+                store = TCPStore(host, port, is_server=rank == 0 and not hosted, token=token, timeout=timeout)
         return _join(rank, world_size, local_rank, store, owns_store, timeout, token)
-    except StoreError as e:
-        if owns_store:
+    except StoreError as e:  # a StoreTimeout stays one: the same words, with this rank's name
+        if owns_store and store is not None:
             store.close()
-        raise StoreError(f"rank {rank} (this process) could not join the job through the store: {e}") from None
+        raise type(e)(f"rank {rank} (this process) could not join the job through the store: {e}") from None
 
 
 def _join(rank, world_size, local_rank, store, owns_store, timeout, token) -> Communicator:
