@@ -439,6 +439,7 @@ class Communicator:
             return False
         fmt = repro.check(collective, x.dtype, op, self.world_size)
         algo = self._pick_algo(collective, algo, x.size * fmt.NL * fmt.limb.itemsize)
+        repro.check_read(self, collective, algo, x, y)   # "read": the caller's buffers, as a plain call's
         if x.size:  # passes that read each other's results: in order, where the data moves (progress.py)
             self._progress.later(functools.partial(repro.run, self, collective, algo, x, y, op, root))
         return True

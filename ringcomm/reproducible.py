@@ -24,9 +24,15 @@ reduce_scatter and reduce need every element's scale on every rank (each rank en
 so their first pass is an all_reduce; their second is the collective itself on the limbs, which is
 why block r of reduce_scatter and reduce's root output equal the all_reduce's elements bit for bit.
 
+The passes run on the communicator's scratch (codes, limbs), which no peer maps: algo="read", which
+reads the peers' comm.alloc buffers, is checked on the caller's buffers as the plain call checks it, and
+the passes on scratch take automatic choice instead (the FIFO algorithms, or CMA reads where those win).
+The limbs are integers, so the bits are those of every other algorithm.
+
 Costs (ringcomm.reproducible.wire_bytes, and the notes of ringcomm.model): a 1-byte MAX pass, then
 1 + NL * limb bytes per element instead of the dtype's itemsize: float32 13 B (3 x int32) for 4,
-float64 17 B (2 x int64) for 8, float16 / bfloat16 9 B (1 x int64) for 2.
+float64 17 B (2 x int64) for 8, float16 / bfloat16 9 B (1 x int64) for 2. The two-rank shortcut
+moves the plain call's bytes (cost() says which one it priced).
 """
 from __future__ import annotations
 
@@ -35,6 +41,8 @@ import numpy as np
 from ringcomm.kernels import host, reproducible as kernels
 
 from .ops import AVG, MAX, SUM
+from .registered import settle
+from .schedule.onecopy import ALGO as READ
 
 OPS = (SUM, AVG)
 COLLECTIVES = ("all_reduce", "reduce_scatter", "reduce")
@@ -55,6 +63,19 @@ def check(collective: str, dtype, op, world_size: int) -> kernels.Format:
     return fmt
 
 
+def check_read(comm, collective: str, algo: str, x, y) -> None:
+    """algo="read" asked for by name: refused, before any byte moves, where the plain call would refuse
+    it (buffers not from comm.alloc), whatever the world size; the passes on scratch never take it (run).
+    A forced RINGCOMM_ALGO=read is automatic choice, as for the plain call: nothing to refuse."""
+    if algo == READ and comm._forced_algo != READ:
+        settle(comm._registry, collective, READ, False, x, y, x.nbytes)
+
+
+def shortcut(dtype, world_size: int) -> bool:
+    """Whether run() takes the two-rank shortcut: the plain collective, made canonical (module docstring)."""
+    return world_size <= 2 and kernels.format_of(dtype).one_add_suffices
+
+
 def wire_bytes(dtype) -> int:
     """Bytes per element that reproducible mode moves: the 1-byte code plus the limbs."""
     return kernels.format_of(dtype).wire_bytes
@@ -66,25 +87,33 @@ def cost(collective: str, algo: str, world_size: int, nbytes, alpha, beta, gamma
 
     ``nbytes`` is the plain call's (ringcomm.cost's n) for ``dtype``. Returns the modelled seconds of
     the plain call, of the MAX pass (1 B per element, an all_reduce: every rank needs every scale) and
-    of the SUM pass on the limbs (NL limbs per element), their sum and its ratio to plain. The kernels
-    that convert (a few ns per element on a CPU) are not in the model."""
+    of the SUM pass on the limbs (NL limbs per element), their sum and its ratio to plain. Where run()
+    takes the two-rank shortcut (``shortcut``: True) it prices what runs there: no MAX pass, the plain
+    collective as the SUM pass, the plain bytes per element. ``runs`` says which, in words (describe).
+    The kernels that convert (a few ns per element on a CPU) are not in the model."""
     from . import model as _model
     fmt = kernels.format_of(dtype)
-    count = nbytes / fmt_itemsize(dtype)
-    code_algo = algo if collective == "all_reduce" else "ring"
+    itemsize = fmt_itemsize(dtype)
     plain = _model.cost(collective, algo, world_size, nbytes, alpha, beta, gamma, root=root, model=model)
-    codes = _model.cost("all_reduce", code_algo, world_size, count, alpha, beta, gamma, model=model)
-    limbs = _model.cost(collective, algo, world_size, count * fmt.NL * fmt.limb.itemsize, alpha, beta, gamma,
-                        root=root, model=model)
+    if shortcut(dtype, world_size):
+        codes, limbs, wire = 0.0, plain, itemsize
+    else:
+        count = nbytes / itemsize
+        code_algo = algo if collective == "all_reduce" else "ring"
+        codes = _model.cost("all_reduce", code_algo, world_size, count, alpha, beta, gamma, model=model)
+        limbs = _model.cost(collective, algo, world_size, count * fmt.NL * fmt.limb.itemsize, alpha, beta,
+                            gamma, root=root, model=model)
+        wire = fmt.wire_bytes
     return {"plain": plain, "max_pass": codes, "sum_pass": limbs, "reproducible": codes + limbs,
             "ratio": (codes + limbs) / plain if plain else float("nan"),
-            "wire_bytes_per_element": fmt.wire_bytes, "plain_bytes_per_element": fmt_itemsize(dtype)}
+            "wire_bytes_per_element": wire, "plain_bytes_per_element": itemsize,
+            "shortcut": shortcut(dtype, world_size), "runs": describe(dtype, world_size)}
 
 
 def describe(dtype, world_size: int | None = None) -> str:
     """One line for reports (ringcomm.verify, ringcomm-bench): what reproducible mode does to a call."""
     fmt = kernels.format_of(dtype)
-    if world_size is not None and world_size <= 2 and fmt.one_add_suffices:
+    if world_size is not None and shortcut(dtype, world_size):
         return ("order-independent: with two ranks one IEEE addition is the exact sum rounded once; "
                 "the plain collective's bytes, then NaN and zeros made canonical")
     return (f"order-independent: a MAX pass of 1 B per element, then exact integer sums of {fmt.NL} x "
@@ -101,9 +130,11 @@ def run(comm, collective: str, algo: str, x, y, op, root=None) -> None:
     """The two passes for one call; ``algo`` is already checked, ``y`` is where the result goes."""
     fmt = kernels.format_of(x.dtype)
     k = _Kernels(x)
-    if comm.world_size <= 2 and fmt.one_add_suffices:
-        _two_ranks(comm, collective, algo, x, y, op, root, k)
+    if shortcut(x.dtype, comm.world_size):
+        _two_ranks(comm, collective, algo, x, y, op, root, k)      # on the caller's buffers: algo as given
         return
+    if algo == READ:        # the scratch below is not comm.alloc memory: automatic choice (module docstring)
+        algo = None
     codes = k.scratch(comm, "codes", np.uint8, x.size)
     k.lib.exponent_codes(x, codes, *k.stream)
     code_algo = algo if collective == "all_reduce" else None    # every rank needs every element's scale

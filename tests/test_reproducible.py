@@ -103,6 +103,56 @@ def test_zero_padded_world_and_other_slots_give_the_same_bits():
                 assert np.array_equal(b, want[rank * C:(rank + 1) * C]), (rank, name)
 
 
+def read_and_ring(comm, xs):
+    """Every reproducible collective with algo="read" on comm.alloc buffers, and with "ring" on plain
+    copies: {name: (read bits, ring bits)}; reduce only on its root. A plain buffer with "read" must
+    still be refused, as the plain call refuses it."""
+    x = xs[comm.rank]
+    c, root = xs[0].size // comm.world_size, comm.world_size - 1
+    buf, out = comm.alloc(x.size, x.dtype), comm.alloc(c, x.dtype)
+    got = {}
+    buf[:] = x
+    comm.all_reduce(buf, "sum", algo="read", reproducible=True)
+    got["all_reduce"] = buf.copy(), comm.all_reduce(x.copy(), algo="ring", reproducible=True)
+    buf[:] = x
+    comm.all_reduce(buf, "avg", algo="read", reproducible=True)
+    got["all_reduce avg"] = buf.copy(), comm.all_reduce(x.copy(), "avg", algo="ring", reproducible=True)
+    buf[:] = x
+    comm.reduce_scatter(buf, out, algo="read", reproducible=True)
+    ring = comm.reduce_scatter(x, np.empty(c, x.dtype), algo="ring", reproducible=True)
+    got["reduce_scatter"] = out.copy(), ring
+    buf[:] = x
+    comm.reduce(buf, root, algo="read", reproducible=True)
+    ring = comm.reduce(x.copy(), root, algo="ring", reproducible=True)
+    if comm.rank == root:
+        got["reduce"] = buf.copy(), ring
+    with pytest.raises(ValueError, match="must come from comm.alloc"):
+        comm.all_reduce(x.copy(), algo="read", reproducible=True)
+    return {k: (bits(a).copy(), bits(b).copy()) for k, (a, b) in got.items()}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_read_on_registered_buffers_gives_the_ring_bits(n):
+    # More than two ranks (and float64 on two) reduce limbs in scratch that no peer maps: "read" must
+    # not be asked of them, and the bits must be every other algorithm's. Two ranks of float32 take
+    # the shortcut: the plain "read" collective on the caller's buffers.
+    cases = [inputs(dt, n, seed=20 + n) for dt in (np.dtype(np.float32), np.dtype(np.float64))]
+    with World(n, timeout=120) as w:
+        for xs in cases:
+            want = bits(simulated(xs)).copy()
+            c = want.size // n
+            for rank, got in enumerate(w.run(read_and_ring, xs, timeout=200)):
+                assert set(got) >= {"all_reduce", "all_reduce avg", "reduce_scatter"}
+                assert ("reduce" in got) == (rank == n - 1)
+                for name, (read, ring) in got.items():
+                    assert np.array_equal(read, ring), (rank, name)
+                    if name == "reduce_scatter":
+                        assert np.array_equal(read, want[rank * c:(rank + 1) * c]), (rank, name)
+                    elif name != "all_reduce avg":
+                        assert np.array_equal(read, want), (rank, name)
+
+
 def test_refused_before_any_byte_moves():
     with ringcomm.init() as comm:
         x = np.ones(8, np.float32)
@@ -115,6 +165,15 @@ def test_refused_before_any_byte_moves():
             comm.reduce(np.ones(8, np.int64), reproducible=True)
         with pytest.raises(TypeError, match="reproducible must be True or False"):
             comm.all_reduce(x, reproducible="yes")
+        # Integers: ringcomm reduces them, reproducible mode does not (ValueError). A dtype ringcomm
+        # reduces in no mode fails the argument check every call makes first (TypeError), as docs/05 says.
+        with pytest.raises(ValueError, match="needs a float dtype"):
+            comm.all_reduce(np.ones(8, np.int32), reproducible=True)
+        for dt in (np.complex64, np.bool_):
+            with pytest.raises(TypeError, match="which ringcomm does not reduce"):
+                comm.all_reduce(np.ones(8, dt), reproducible=True)
+            with pytest.raises(TypeError, match="which ringcomm does not reduce"):
+                comm.all_reduce(np.ones(8, dt))
         with pytest.raises(ValueError, match="has no algorithm"):
             comm.all_reduce(x, algo="nope", reproducible=True)
         with pytest.raises(ValueError, match="up to 1024 ranks"):
@@ -131,6 +190,21 @@ def test_cost_prices_both_passes():
     assert c["plain"] == plain and c["max_pass"] == codes and c["reproducible"] == codes + c["sum_pass"]
     assert c["sum_pass"] == ringcomm.cost("all_reduce", "ring", 4, 3 << 20, alpha=3e-5, beta=2.5e-10, gamma=4e-10)
     assert "13 B on the wire" in repro.describe("float32") and "two ranks" in repro.describe("float32", 2)
+    assert not c["shortcut"] and c["wire_bytes_per_element"] == 13 and c["runs"] == repro.describe("float32", 4)
+
+
+def test_cost_on_two_ranks_prices_the_shortcut_that_runs():
+    # Two ranks of float32 run the plain collective (run's shortcut): its bytes and seconds, no MAX pass.
+    args = dict(alpha=3e-5, beta=2.5e-10, gamma=4e-10)
+    for coll, root in (("all_reduce", None), ("reduce_scatter", None), ("reduce", 1)):
+        c = repro.cost(coll, "ring", 2, 16 << 20, root=root, **args)
+        plain = ringcomm.cost(coll, "ring", 2, 16 << 20, root=root, **args)
+        assert c["shortcut"] and "two ranks" in c["runs"]
+        assert c["plain"] == c["sum_pass"] == c["reproducible"] == plain and c["max_pass"] == 0.0
+        assert c["ratio"] == 1.0 and c["wire_bytes_per_element"] == c["plain_bytes_per_element"] == 4
+    # float64 takes the limbs even on two ranks: both passes, 17 B per element.
+    c = repro.cost("all_reduce", "ring", 2, 16 << 20, dtype="float64", **args)
+    assert not c["shortcut"] and c["wire_bytes_per_element"] == 17 and c["max_pass"] > 0 and c["ratio"] > 1
 
 
 @pytest.mark.timeout(200)
