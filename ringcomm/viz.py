@@ -190,9 +190,9 @@ def png(fr: list[dict], n: int, heading: str, path: str, cols: int = 4) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         from matplotlib.patches import FancyArrowPatch
-    except ImportError:
-        raise SystemExit("ringcomm-viz: PNG output needs matplotlib (pip install matplotlib, or the "
-                         "'bench' extra); SVG and HTML need nothing") from None
+    except ImportError as e:  # absent, or installed but broken (a dependency missing): say which
+        raise SystemExit(f"ringcomm-viz: PNG output needs matplotlib, which did not import ({e}); pip "
+                         f"install matplotlib, or the 'bench' extra. SVG and HTML need nothing") from None
     rows = max(1, math.ceil(len(fr) / cols))
     fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 3 * rows), squeeze=False)
     rgb = [matplotlib.colors.hsv_to_rgb((r / max(n, 1), 0.75, 0.85)) for r in range(n)]
