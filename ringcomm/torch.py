@@ -202,24 +202,24 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    # Held, then run together (ringcomm/torch_p2p.py): an irecv may come before its isend.
-    # A tag is taken as given: messages between two ranks match in issue order (see the README).
+    # Held, then run together (ringcomm/torch_p2p.py): an irecv may come before its isend. Messages
+    # match by (source, tag), in send order within one, as gloo's do.
     def send(self, tensors, dst, tag=0):
         t = _one(tensors, "send")
         v = host_view(t, "send tensor", elementwise=True)
         self._peer(dst, "send")
-        return self._p2p.send(v, dst, [t])
+        return self._p2p.send(v, dst, [t], tag=tag)
 
     def recv(self, tensors, src, tag=0):
         t = _one(tensors, "recv")
         v = host_view(t, "recv tensor", elementwise=True)
         self._peer(src, "recv")
-        return self._p2p.recv(v, src, [t])
+        return self._p2p.recv(v, src, [t], tag=tag)
 
     def recv_anysource(self, tensors, tag=0):
         t = _one(tensors, "recv from any source")
         self._p2p.check_any_source()
-        return self._p2p.recv(host_view(t, "recv tensor", elementwise=True), None, [t])
+        return self._p2p.recv(host_view(t, "recv tensor", elementwise=True), None, [t], tag=tag)
 
     def _peer(self, peer, what):
         if not 0 <= peer < self.comm.world_size or peer == self.comm.rank:

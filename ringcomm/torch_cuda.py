@@ -173,7 +173,7 @@ def allgather(pg, output_tensors, input_tensors, opts=None):
 
 # ---- point-to-point: held in the group's batch with its CPU calls (ringcomm/torch_p2p.py) ----------------
 # An irecv may come before its isend; the batch runs as one comm.group() on the group's stream, after the
-# callers' streams at each call. A tag is taken as given (messages between two ranks match in issue order).
+# callers' streams at each call. Messages match by (source, tag) as on the host.
 
 def _one(tensors, what):
     if len(tensors) != 1:
@@ -184,19 +184,19 @@ def _one(tensors, what):
 def send(pg, tensors, dst, tag=0):
     t = _one(tensors, "send")
     pg._peer(dst, "send")
-    return pg._p2p.send(t, dst, [t], cuda=mark(pg, [t], "send"))
+    return pg._p2p.send(t, dst, [t], cuda=mark(pg, [t], "send"), tag=tag)
 
 
 def recv(pg, tensors, src, tag=0):
     t = _one(tensors, "recv")
     pg._peer(src, "recv")
-    return pg._p2p.recv(t, src, [t], cuda=mark(pg, [t], "recv"))
+    return pg._p2p.recv(t, src, [t], cuda=mark(pg, [t], "recv"), tag=tag)
 
 
 def recv_anysource(pg, tensors, tag=0):
     t = _one(tensors, "recv from any source")
     pg._p2p.check_any_source()
-    return pg._p2p.recv(t, None, [t], cuda=mark(pg, [t], "recv from any source"))
+    return pg._p2p.recv(t, None, [t], cuda=mark(pg, [t], "recv from any source"), tag=tag)
 
 
 ROUTED = {"allreduce": allreduce, "allreduce_coalesced": allreduce, "broadcast": broadcast, "reduce": reduce,

@@ -10,31 +10,48 @@ polled, when the group makes any other call, or when it shuts down. A communicat
 groups runs the batch's sends before its receives (each in issue order, so messages between a
 pair still match in order): enough whenever the sends fit the FIFO.
 
-Receives from any source (gloo has them): every send first announces itself in the group's store
--- its number in the destination's count of announced messages, and its source (two store calls).
-A receive from any source reads the next announcement whose message no directed receive has taken
-(messages from one source arrive in send order, so the count per source tells) and receives from
-that source. Announcements are read in the order the sends made them, so any-source receives take
-messages first come, first served.
+Tags and receives from any source match as gloo's do: by (source, tag), in send order within one
+(source, tag). Every send first announces itself in the group's store -- its number in the
+destination's count of announced messages, then its source, tag and size (two store calls). The
+receiver reads the announcements in order into a queue per source: per source, announcement order
+is send order, which is also the order the connection delivers in. A receive takes the oldest
+message of its source (or, from any source, of all sources) with its tag. The messages queued
+before that one, of other tags, must be received first (one connection, one order): each goes into
+a stash buffer of its announced size, and a later receive with its tag takes it from there.
+
+So a batch's receives run once their messages are announced, and a batch never waits for
+announcements before its sends have started: it reads what is announced (without waiting), runs its
+sends and the receives that can run in one ``comm.group()``, then waits for the next announcements
+and receives, until every receive has its message. Its own sends were announced before it read
+any, so of two ranks each sending to the other, at least one reads the other's announcement in its
+first group: a send larger than the FIFO, which waits for its receiver, never waits in a cycle.
 
 CUDA tensors (ringcomm/torch_cuda.py) join the same batch, CPU and CUDA calls mixed as torch allows:
 at each call an event is recorded on the caller's current stream; the batch runs on the group's
 stream of that device, which first waits for every such event, and a CUDA call's Work makes the
 waiting thread's current stream wait for the batch (ProcessGroupNCCL's stream semantics). One
-communicator drives one GPU, so a batch holds CUDA tensors of one device.
+communicator drives one GPU, so a batch holds CUDA tensors of one device. A CUDA tensor's message
+travels on the device path's connections, a CPU tensor's on the host's: two orders per source, so an
+announcement says which, and a CUDA message is stashed in device memory.
 
-Tags: messages between two ranks match in issue order, so a receive's tag must follow the same
-order as the sends' (true of torch's own tests and of pipeline schedules); see the README.
+Tags: matched as above. Without announcements (RINGCOMM_ANY_SOURCE=0, or a group made from a
+Communicator alone) the receiver cannot see a message's tag: messages between two ranks then match in
+issue order, and a send or receive with a tag other than 0 is refused (ValueError) rather than
+risk a silent swap.
 """
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from . import torch_cuda
+from .errors import CollectiveTimeout, StoreTimeout
 
 
 class DeferredWork(dist.Work):
@@ -101,60 +118,44 @@ class P2PBatch:
 
     def __init__(self, pg, store):
         self._pg, self._store = pg, store
-        self.announced = store is not None  # sends announce themselves, for receives from any source
+        self.announced = store is not None  # sends announce themselves: tags and receives from any source
         self._lock = threading.Lock()  # a Work may be waited on from another thread than the caller's
         self._ops: list = []   # _Op, in issue order
-        # Receiver side of any-source, touched on the queue's thread only: the next announcement
-        # to read, and per source how many of its messages were announced / taken by a receive.
-        self._next, self._announced, self._taken = 1, {}, {}
+        # The receiver's side, touched on the queue's thread only: the next announcement to read; per
+        # (source, kind) the announced messages not yet received, in send order; per (source, kind, tag)
+        # the messages received into a stash buffer that no receive has taken yet, in send order.
+        self._next, self._queued, self._stash = 1, {}, {}
 
-    def _add(self, is_send: bool, run, outputs: list, cuda, announce=None) -> DeferredWork:
-        work = DeferredWork(self, outputs, cuda is not None)
-        with self._lock:
-            held = {op.cuda[0] for op in self._ops if op.cuda is not None}
-            if cuda is not None and held and cuda[0] not in held:
-                raise ValueError(f"{'send' if is_send else 'recv'}: a tensor on {cuda[0]} while this group holds "
-                                 f"point-to-point calls on {held.pop()}; one communicator drives one GPU")
-            self._ops.append(_Op(is_send, announce, lambda: run(work), work, cuda))
-        return work
-
-    def send(self, view, dst: int, outputs: list, cuda=None) -> DeferredWork:
+    def send(self, view, dst: int, outputs: list, cuda=None, tag: int = 0) -> DeferredWork:
         """``cuda``: None for host memory, else (device, event recorded on the caller's current stream)."""
-        comm = self._pg.comm
+        return self._add(True, view, dst, tag, outputs, cuda)
 
-        def announce():
-            k = self._store.add(f"anysrc/{dst}/count", 1)
-            self._store.set(f"anysrc/{dst}/{k}", str(comm.rank).encode())
-        return self._add(True, lambda work: comm.send(view, dst), outputs, cuda,
-                         announce if self.announced else None)
-
-    def recv(self, view, src: int | None, outputs: list, cuda=None) -> DeferredWork:
+    def recv(self, view, src: int | None, outputs: list, cuda=None, tag: int = 0) -> DeferredWork:
+        """``src``: None for a receive from any source."""
         if src is None:
             self.check_any_source()
-        comm = self._pg.comm
-
-        def run(work):
-            work.source = self._next_source() if src is None else src
-            self._taken[work.source] = self._taken.get(work.source, 0) + 1
-            comm.recv(view, work.source)
-        return self._add(False, run, outputs, cuda)
+        return self._add(False, view, src, tag, outputs, cuda)
 
     def check_any_source(self) -> None:
         if not self.announced:
             raise NotImplementedError("recv from any source: this group's sends do not announce themselves "
                                       "(RINGCOMM_ANY_SOURCE=0, or a group made from a Communicator alone)")
 
-    def _next_source(self) -> int:
-        """The sender of the oldest announced message no receive has taken yet."""
-        me = self._pg.comm.rank
-        while True:
-            key = f"anysrc/{me}/{self._next}"
-            src = int(self._store.get(key, timeout=self._pg.comm.timeout))
-            self._store.delete(key)
-            self._next += 1
-            self._announced[src] = self._announced.get(src, 0) + 1
-            if self._announced[src] > self._taken.get(src, 0):
-                return src
+    def _add(self, is_send: bool, view, peer, tag: int, outputs: list, cuda) -> DeferredWork:
+        what = "send" if is_send else "recv"
+        if tag != 0 and not self.announced:
+            raise ValueError(f"{what} with tag {tag}: this group's sends do not announce themselves "
+                             f"(RINGCOMM_ANY_SOURCE=0, or a group made from a Communicator alone), so a receiver "
+                             f"cannot see a message's tag; messages then match in issue order, and only tag 0 is "
+                             f"taken (a tag would be ignored, and a swap of two messages go unnoticed)")
+        work = DeferredWork(self, outputs, cuda is not None)
+        with self._lock:
+            held = {op.cuda[0] for op in self._ops if op.cuda is not None}
+            if cuda is not None and held and cuda[0] not in held:
+                raise ValueError(f"{what}: a tensor on {cuda[0]} while this group holds "
+                                 f"point-to-point calls on {held.pop()}; one communicator drives one GPU")
+            self._ops.append(_Op(is_send, view, peer, int(tag), work, cuda))
+        return work
 
     def flush(self) -> None:
         """Queue the held calls as one call of the group (a no-op when none is held)."""
@@ -165,36 +166,210 @@ class P2PBatch:
             pg, cuda, end = self._pg, [op.cuda for op in ops if op.cuda is not None], [None]
 
             def run():
-                # Every send announces itself before any receive looks for one, so an any-source
-                # receive issued before the sends of its batch never waits for its peer's, which
-                # the peer would make only after its own such receive.
-                for op in ops:
-                    if op.announce is not None:
-                        op.announce()
                 if not cuda:
-                    return _together(pg.comm, ops)
+                    return self._run(ops)
                 with torch_cuda.after_callers(pg, cuda, end):  # stream rule: ringcomm/torch_cuda.py
-                    _together(pg.comm, ops)
+                    self._run(ops)
             names = sorted({"send" if op.is_send else "recv" for op in ops})
             host = pg._submit_now("+".join(names), [o for op in ops for o in op.work._outputs], run)
             device = torch_cuda.CudaWork(host._inner, host._outputs, cuda[0][0], end) if cuda else None
             for op in ops:
                 op.work.bind(host if op.cuda is None else device)
 
+    # ---- on the queue's thread ---------------------------------------------------------------
+
+    def _run(self, ops) -> None:
+        """The batch: its sends and the receives whose messages are announced in one group, then the
+        other receives as their messages are announced (the module docstring says why)."""
+        comm = self._pg.comm
+        if not self.announced:  # every tag is 0: messages between two ranks match in issue order
+            return _together(comm, [(op.is_send, _call(comm, op)) for op in ops])
+        # Every send announces itself before any receive looks, so a receive issued before the sends
+        # of its batch never waits for its peer's, which the peer would make only after its own receive.
+        for op in ops:
+            if op.is_send:
+                self._announce(op)
+        if not all(op.is_send for op in ops):
+            self._read()
+        calls, after, errors, waiting = [], [], [], []
+        for op in ops:
+            if op.is_send:
+                calls.append((True, _call(comm, op)))
+            elif not self._take(op, calls, after, errors):
+                waiting.append(op)
+        _together(comm, calls)
+        for copy in after:
+            copy()
+        deadline = time.monotonic() + comm.timeout
+        while waiting:
+            self._wait(waiting, deadline)
+            calls, after, still = [], [], []
+            for op in waiting:  # in issue order: receives alike take their messages in send order
+                if not self._take(op, calls, after, errors):
+                    still.append(op)
+            if len(still) < len(waiting):
+                deadline = time.monotonic() + comm.timeout
+            waiting = still
+            _together(comm, calls)
+            for copy in after:
+                copy()
+        if errors:
+            raise ValueError(errors[0])
+
+    def _announce(self, op) -> None:
+        k = self._store.add(f"anysrc/{op.peer}/count", 1)
+        self._store.set(f"anysrc/{op.peer}/{k}", f"{self._pg.comm.rank} {op.tag} {_nbytes(op.view)} {_kind(op)}")
+
+    def _read(self, most: int | None = None) -> int:
+        """Queue the announcements made so far (at most ``most``), in order, without waiting; return
+        how many."""
+        me, n = self._pg.comm.rank, 0
+        while most is None or n < most:
+            key = f"anysrc/{me}/{self._next}"
+            try:
+                value = self._store.get(key, timeout=0)
+            except StoreTimeout:
+                return n
+            self._store.delete(key)
+            src, tag, nbytes, kind = value.decode().split()
+            msg = _Msg(self._next, int(src), int(tag), int(nbytes), kind)
+            self._queued.setdefault((msg.src, kind), deque()).append(msg)
+            self._next, n = self._next + 1, n + 1
+        return n
+
+    def _wait(self, waiting, deadline: float) -> None:
+        """Wait until a new announcement is read (one: a look for the next costs a store round trip, and
+        the receive loop looks again while it waits); CollectiveTimeout, naming the receive, past ``deadline``."""
+        pause = _POLL_FIRST_S
+        while not self._read(1):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                op, comm = waiting[0], self._pg.comm
+                src = "any source" if op.peer is None else f"rank {op.peer}"
+                more = f" (and {len(waiting) - 1} more receives)" if len(waiting) > 1 else ""
+                raise CollectiveTimeout(
+                    f"rank {comm.rank} (this process): recv from {src} with tag {op.tag}{more} timed out after "
+                    f"{comm.timeout:g} s waiting for a matching send to be announced (store key "
+                    f"anysrc/{comm.rank}/{self._next}); was it sent, with that tag and a tensor of that kind?")
+            time.sleep(min(pause, left))
+            pause = min(_POLL_GROWTH * pause, _POLL_MAX_S)
+
+    def _take(self, op, calls: list, after: list, errors: list) -> bool:
+        """Plan receive ``op`` if its message is announced (else False): to ``calls`` the receives, the
+        messages queued before it into the stash; to ``after`` a copy out of the stash."""
+        kind = _kind(op)
+        found = self._oldest(op.peer, op.tag, kind)
+        if found is None:
+            return False
+        msg, stashed = found
+        op.work.source = msg.src
+        fits = msg.nbytes == _nbytes(op.view)
+        if not fits:  # gloo refuses it too; the message is received and dropped, so later ones still match
+            errors.append(f"recv from rank {msg.src} with tag {op.tag}: the message has {msg.nbytes} bytes, the "
+                          f"tensor {_nbytes(op.view)}; a receive takes a tensor of the sent one's size")
+        if stashed is not None:
+            self._pop(self._stash, (msg.src, kind, msg.tag))
+            if fits:
+                after.append(lambda: _copy(op.view, stashed))
+            return True
+        comm = self._pg.comm
+        while True:  # one connection delivers in send order: the messages before this one come first
+            m = self._pop(self._queued, (msg.src, kind))
+            if m is msg:
+                break
+            buf = _scratch(op.view, m.nbytes)
+            calls.append((False, lambda buf=buf, m=m: comm.recv(buf, m.src)))
+            self._stash.setdefault((m.src, kind, m.tag), deque()).append((m, buf))
+        into = op.view if fits else _scratch(op.view, msg.nbytes)
+        calls.append((False, lambda: comm.recv(into, msg.src)))
+        return True
+
+    def _oldest(self, src, tag: int, kind: str):
+        """(message, its stash buffer or None): the oldest announced message from ``src`` (None: any
+        source) with ``tag`` that no receive has taken; None if there is none yet."""
+        if src is None:
+            sources = {s for s, k in self._queued if k == kind} | {s for s, k, _ in self._stash if k == kind}
+        else:
+            sources = (src,)
+        best = None
+        for s in sources:
+            stash = self._stash.get((s, kind, tag))
+            if stash:   # received already: older than any of its source's still queued
+                found = stash[0]
+            else:
+                found = next(((m, None) for m in self._queued.get((s, kind), ()) if m.tag == tag), None)
+            if found is not None and (best is None or found[0].seq < best[0].seq):
+                best = found
+        return best
+
+    @staticmethod
+    def _pop(table: dict, key):
+        q = table[key]
+        item = q.popleft()
+        if not q:
+            del table[key]
+        return item
+
+
+# A receive waiting for its message's announcement polls the store: after 0.05 ms, then 1.5 times longer
+# each time, up to 20 ms (TorchStore's most, ringcomm/torch_support.py). A gentle growth: a wait of t is
+# seen by t * 1.5 at the latest (doubling would allow 2 t, a ping-pong's reply seen late at every hop).
+_POLL_FIRST_S, _POLL_GROWTH, _POLL_MAX_S = 0.00005, 1.5, 0.02
+
 
 class _Op(NamedTuple):
     is_send: bool
-    announce: object    # None, or the send's announcement for receives from any source
-    run: object
+    view: object        # the tensor's memory: a numpy view, or the CUDA tensor itself
+    peer: int | None    # the destination or source; None for a receive from any source
+    tag: int
     work: DeferredWork
     cuda: tuple | None  # None for host memory, else (device, event recorded on the caller's stream)
 
 
-def _together(comm, ops) -> None:
+class _Msg(NamedTuple):
+    """An announced message."""
+    seq: int     # its announcement's number: receives from any source take the oldest first
+    src: int
+    tag: int
+    nbytes: int
+    kind: str    # "h": from host memory, "c": from a CUDA tensor (each kind has its own connections)
+
+
+def _kind(op) -> str:
+    return "h" if op.cuda is None else "c"
+
+
+def _nbytes(view) -> int:
+    return int(view.nbytes)
+
+
+def _scratch(like, nbytes: int):
+    """A stash buffer of ``nbytes`` where ``like`` lives (host memory, or its CUDA device)."""
+    if isinstance(like, np.ndarray):
+        return np.empty(nbytes, np.uint8)
+    return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+
+
+def _copy(view, buf) -> None:
+    """A stashed message into the receive's memory (on the group's stream, for a CUDA tensor)."""
+    if isinstance(view, np.ndarray):
+        view.reshape(-1).view(np.uint8)[...] = buf
+    else:
+        view.reshape(-1).view(torch.uint8).copy_(buf)
+
+
+def _call(comm, op):
+    return (lambda: comm.send(op.view, op.peer)) if op.is_send else (lambda: comm.recv(op.view, op.peer))
+
+
+def _together(comm, calls) -> None:
+    """``calls``: (is_send, function) in issue order."""
+    if not calls:
+        return
     if hasattr(comm, "group"):
         with comm.group():  # every call starts together: any matching set completes
-            for op in ops:
-                op.run()
+            for _, call in calls:
+                call()
     else:  # sends first: they do not wait for the peer while they fit its FIFO
-        for op in sorted(ops, key=lambda op: not op.is_send):
-            op.run()
+        for _, call in sorted(calls, key=lambda c: not c[0]):
+            call()

@@ -376,6 +376,96 @@ def check_any_source_irecv_before_isend(rank, n):
     return "ok"
 
 
+def check_tags_match_by_source_and_tag(rank, n):
+    """Rank 0 sends rank 1 messages with tags 1, 2, 3, 3, 2, 3; rank 1 receives them in another tag
+    order (as gloo matches them): by tag, in send order within a tag. One tag-1 message waits in the
+    stash across a collective until a later recv takes it; a recv of the wrong size is an error."""
+    sends = [(1, 10.0), (2, 20.0), (3, 30.0), (3, 31.0), (2, 21.0), (3, 32.0)]
+    if rank == 0:
+        works = [dist.isend(torch.full((3,), v), 1, tag=tag) for tag, v in sends]
+        for w in works:
+            w.wait()
+    elif rank == 1:
+        got = {tag: [] for tag in (1, 2, 3)}
+        bufs = [(tag, torch.zeros(3)) for tag in (2, 3, 3, 2, 3)]   # tag 1's message is stashed
+        works = [dist.irecv(b, 0, tag=tag) for tag, b in bufs]
+        for w in reversed(works):
+            w.wait()
+        for tag, b in bufs:
+            got[tag].append(b[0].item())
+        assert got == {1: [], 2: [20.0, 21.0], 3: [30.0, 31.0, 32.0]}, got
+    total = torch.ones(1)
+    dist.all_reduce(total)                              # rank 1 holds tag 1's message meanwhile
+    assert total.item() == n
+    if rank == 0:   # after the collective: an unreceived message would sit in the connection it uses
+        dist.send(torch.full((3,), 40.0), 1, tag=4)
+        dist.send(torch.full((3,), 50.0), 1, tag=5)
+    elif rank == 1:
+        first = torch.zeros(3)
+        dist.recv(first, 0, tag=1)                      # from the stash
+        assert first.tolist() == [10.0] * 3
+        wrong = torch.zeros(4)
+        _raises(ValueError, r"has 12 bytes, the tensor 16", lambda: dist.irecv(wrong, 0, tag=4).wait())
+        last = torch.zeros(3)
+        dist.recv(last, 0, tag=5)                       # the refused message was dropped, the next matches
+        assert last.tolist() == [50.0] * 3 and wrong.tolist() == [0.0] * 4
+    dist.barrier()
+    return "ok"
+
+
+def check_tags_larger_than_the_fifo(rank, n):
+    """Messages of 1 MiB (the FIFO is 64 KiB): rank 0's blocking sends (tags 1 then 2) each wait for
+    rank 1, which posts tag 2's irecv first -- it must take tag 1's message into the stash first. Then
+    every rank posts irecvs from rank - 1 (tags 2, 1) before its isends to rank + 1 (tags 1, 2)."""
+    big = 262_144  # floats: 1 MiB
+    if rank == 0:
+        dist.send(torch.full((big,), 1.0), 1, tag=1)
+        dist.send(torch.full((big,), 2.0), 1, tag=2)
+    elif rank == 1:
+        b1, b2 = torch.zeros(big), torch.zeros(big)
+        works = [dist.irecv(b2, 0, tag=2), dist.irecv(b1, 0, tag=1)]
+        for w in works:
+            w.wait()
+        assert torch.equal(b1, torch.full((big,), 1.0)) and torch.equal(b2, torch.full((big,), 2.0))
+    nxt, prev = (rank + 1) % n, (rank - 1) % n
+    b1, b2 = torch.zeros(big), torch.zeros(big)
+    works = [dist.irecv(b2, prev, tag=2), dist.irecv(b1, prev, tag=1),
+             dist.isend(torch.full((big,), 10.0 * rank + 1), nxt, tag=1),
+             dist.isend(torch.full((big,), 10.0 * rank + 2), nxt, tag=2)]
+    for w in works:
+        w.wait()
+    assert b1[0].item() == 10.0 * prev + 1 and b2[-1].item() == 10.0 * prev + 2, (b1[0], b2[-1])
+    ops = [dist.P2POp(dist.irecv, b1, prev, tag=7), dist.P2POp(dist.isend, torch.full((big,), 3.0 * rank), nxt, tag=7)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    assert torch.equal(b1, torch.full((big,), 3.0 * prev))
+    return "ok"
+
+
+def check_any_source_with_tags(rank, n):
+    """Ranks 1.. each send rank 0 tag 7 then tag 8 (value 100 r + tag). Rank 0 first takes every tag 8
+    from any source, then rank n - 1's tag 7 directed, then the other tag 7s from any source."""
+    if rank != 0:
+        for w in [dist.isend(torch.full((2,), 100.0 * rank + tag), 0, tag=tag) for tag in (7, 8)]:
+            w.wait()
+        return None
+    got = []
+    for _ in range(1, n):
+        t = torch.zeros(2)
+        src = dist.recv(t, tag=8)
+        got.append((src, t[0].item()))
+    t = torch.zeros(2)
+    dist.recv(t, n - 1, tag=7)
+    got.append((n - 1, t[0].item()))
+    for _ in range(2, n):
+        w = dist.irecv(t, tag=7)
+        w.wait()
+        got.append((w._source_rank(), t[0].item()))
+    assert all(v == 100.0 * src + tag for (src, v), tag in zip(got, [8] * (n - 1) + [7] * (n - 1))), got
+    assert sorted(src for src, _ in got[:n - 1]) == list(range(1, n)), got
+    return got
+
+
 def check_group_name(rank, n):
     """torch names the group and finds it by name: functional collectives, destroy(subgroup)."""
     import torch.distributed._functional_collectives as fc
@@ -477,6 +567,22 @@ def test_recv_from_any_source(world):
     counts = world.run(check_recv_from_any_source)[0]
     assert counts == {q: 3 if q == world.n - 1 else 2 for q in range(1, world.n)}
     assert world.run(check_any_source_irecv_before_isend, timeout=60) == ["ok"] * world.n
+
+
+@pytest.mark.timeout(120)
+def test_tags_match_by_source_and_tag(world):
+    assert world.run(check_tags_match_by_source_and_tag, timeout=60) == ["ok"] * world.n
+
+
+@pytest.mark.timeout(180)
+def test_tags_with_messages_larger_than_the_fifo(world):
+    assert world.run(check_tags_larger_than_the_fifo, timeout=120) == ["ok"] * world.n
+
+
+@pytest.mark.timeout(120)
+def test_any_source_receives_with_tags(world):
+    got = world.run(check_any_source_with_tags, timeout=60)[0]
+    assert len(got) == 2 * (world.n - 1)
 
 
 @pytest.mark.timeout(120)
@@ -702,3 +808,67 @@ def test_cuda_tensors_are_routed_to_the_device_path_and_cpu_tensors_stay(monkeyp
     g.allreduce([torch.ones(2).as_subclass(CudaLooking)])
     g.allgather([[torch.ones(2)]], [torch.ones(2).as_subclass(CudaLooking)])
     assert calls == [("host", "allreduce"), ("cuda", "allreduce"), ("cuda", "allgather")], calls
+
+
+def test_tags_without_announcements_are_refused(monkeypatch):
+    """RINGCOMM_ANY_SOURCE=0: no announcements, so no tags to match by; messages keep issue order, and
+    a nonzero tag is a ValueError at the call rather than a message swapped unseen."""
+    from ringcomm.torch import ProcessGroupRingcomm
+
+    class Comm:
+        rank, world_size, timeout = 0, 2, 5.0
+
+        def close(self):
+            pass
+    monkeypatch.setenv("RINGCOMM_ANY_SOURCE", "0")
+    pg = ProcessGroupRingcomm(Comm(), dist.HashStore())
+    for call in (lambda: pg.recv([torch.zeros(2)], 1, 3), lambda: pg.send([torch.zeros(2)], 1, 3)):
+        _raises(ValueError, r"tag 3: .*do not announce.*RINGCOMM_ANY_SOURCE=0.*only tag 0", call)
+    _raises(NotImplementedError, "any source", pg.recv_anysource, [torch.zeros(2)], 0)
+    assert not pg._p2p._ops   # nothing held: tag 0 calls would still be taken, in issue order
+
+
+def test_a_recv_takes_its_tag_and_stashes_the_messages_before_it():
+    """The receiver's side alone, on announcements in a store: a recv for tag 2 receives the tag 1
+    message queued before it into the stash, from which a later tag 1 recv copies it; a recv whose
+    message is never announced times out naming its source and tag."""
+    from ringcomm.store import HashStore
+    from ringcomm.torch import ProcessGroupRingcomm
+    from ringcomm.torch_p2p import P2PBatch
+    from ringcomm.work import Work
+
+    class Comm:  # rank 0 of 2; each receive is filled with the number of its message from rank 1
+        rank, world_size, timeout = 0, 2, 0.3
+
+        def __init__(self):
+            self._progress, self.log = self, []
+
+        def submit(self, name, fn):
+            work = Work(self.rank, name)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the Work carries it, as the progress thread does
+                work._finish(e)
+            else:
+                work._finish(None)
+            return work
+
+        def recv(self, buf, peer):
+            self.log.append((peer, buf.nbytes))
+            buf.view(np.float32)[:] = len(self.log)
+
+        def close(self):
+            pass
+
+    store = HashStore(timeout=2.0)
+    for k, tag in enumerate((1, 2), 1):
+        store.set(f"anysrc/0/{k}", f"1 {tag} 8 h")
+    comm = Comm()
+    pg = ProcessGroupRingcomm(comm, None)
+    pg._p2p = P2PBatch(pg, store)
+    two, one = torch.zeros(2), torch.zeros(2)
+    pg.recv([two], 1, 2).wait()
+    assert comm.log == [(1, 8), (1, 8)] and two.tolist() == [2.0, 2.0]   # message 1 went to the stash
+    pg.recv([one], 1, 1).wait()
+    assert comm.log == [(1, 8), (1, 8)] and one.tolist() == [1.0, 1.0]   # taken from it
+    _raises(TimeoutError, r"recv from rank 1 with tag 3 timed out after 0.3 s", pg.recv([one], 1, 3).wait)

@@ -172,17 +172,17 @@ def test_a_failed_cuda_batch_raises_from_wait_and_chains_no_stream(fake):
 
 def test_cuda_recv_from_any_source_and_tags_as_on_the_host(fake):
     """An any-source irecv posted before the batch's isend: the sends announce themselves first, so the
-    receive never waits for its peer's announcement behind the peer's own such receive. Tags are taken as
-    given. Without announcements it is refused as on the host; a second GPU in one batch is refused."""
+    receive never waits for its peer's announcement behind the peer's own such receive. An announcement
+    names the sender, the tag, the bytes and the kind of memory (c: CUDA). Without announcements it is refused as on the host; a second GPU in one batch is refused."""
     store = HashStore(timeout=2.0)
     store.add("anysrc/0/count", 1)
-    store.set("anysrc/0/1", b"1")                 # rank 1 announced a message to us
+    store.set("anysrc/0/1", b"1 7 4 c")           # rank 1 announced a message to us: tag 7, 4 bytes, CUDA
     pg, log = _group(fake, store=store), fake.log
     w = pg.recv_anysource([cuda_tensor([0.0], log=log)], 7)
     pg.send([cuda_tensor([1.0], log=log)], 1, 7)
     assert w._source_rank() == 1
     assert [e[:3] for e in log if e[0] in ("send", "recv")] == [("recv", "cuda", 1), ("send", "cuda", 1)], log
-    assert store.get("anysrc/1/1", timeout=1.0) == b"0"                     # our send's announcement
+    assert store.get("anysrc/1/1", timeout=1.0) == b"0 7 4 c"               # our send's announcement
     with pytest.raises(NotImplementedError, match="any source"):
         _group(fake).recv_anysource([cuda_tensor([0.0], log=log)], 0)
     pg.send([cuda_tensor([1.0], log=log)], 1, 0)
