@@ -23,10 +23,11 @@ import time
 from .env import HOST_CPUS_ENV   # stdlib only, like this module
 
 KILL_AFTER_S = 5.0  # between SIGTERM and SIGKILL
-# The grace's base when RINGCOMM_TIMEOUT is unset. Not the library's own default timeout (300 s,
-# init.DEFAULT_TIMEOUT): survivors learn of a dead rank from its link or its pid within a
-# patrol, and a job whose rank stalled should not linger five minutes after its first failure.
-DEFAULT_TIMEOUT_S = 30.0
+# The grace when RINGCOMM_TIMEOUT is unset. Survivors learn of a dead rank at once (its link, its
+# pid) and say so within a few patrols, even where the news passes from rank to rank (8 ranks:
+# ~4 s); a stalled rank shows only at the library's own timeout (300 s, init.DEFAULT_TIMEOUT),
+# which a job should not linger for after its first failure: set RINGCOMM_TIMEOUT to see it.
+GRACE_UNSET_S = 10.0
 SHM_DIR = "/dev/shm"
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9_.]+$")
 
@@ -41,12 +42,12 @@ def default_grace() -> float:
     A survivor learns of a dead peer at once (a closed link, a pid gone), but of a stalled one
     only when its own wait times out (RINGCOMM_TIMEOUT); its error message names the peer and the
     collective, which is the most useful line of the run. So the grace is that timeout plus 5 s,
-    letting the survivors print it before being stopped (35 s where RINGCOMM_TIMEOUT is unset).
+    letting the survivors print it before being stopped (GRACE_UNSET_S where it is unset).
     """
     try:
         timeout = float(os.environ["RINGCOMM_TIMEOUT"])
     except (KeyError, ValueError):
-        timeout = DEFAULT_TIMEOUT_S
+        return GRACE_UNSET_S
     return max(timeout, 0.0) + 5.0
 
 
@@ -60,7 +61,7 @@ def parse_args(argv):
                    help="default: a free port (one node only)")
     p.add_argument("--grace", type=float, default=None,
                    help="seconds the other ranks get after the first failure "
-                        "(default: RINGCOMM_TIMEOUT + 5, or 35)")
+                        "(default: RINGCOMM_TIMEOUT + 5, or 10 where it is unset)")
     p.add_argument("--bind", choices=("none", "core"), default="none",
                    help="core: local rank i runs on the i-th usable CPU, modulo their number "
                         "(default none: the scheduler places the ranks)")

@@ -348,7 +348,7 @@ def test_shm_segments_removed(tmp_path):
 
 def test_default_grace_follows_ringcomm_timeout(monkeypatch):
     monkeypatch.delenv("RINGCOMM_TIMEOUT", raising=False)
-    assert launch.default_grace() == launch.DEFAULT_TIMEOUT_S + 5
+    assert launch.default_grace() == launch.GRACE_UNSET_S == 10.0
     monkeypatch.setenv("RINGCOMM_TIMEOUT", "12.5")
     assert launch.default_grace() == 17.5
 
