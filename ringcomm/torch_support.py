@@ -4,7 +4,9 @@ Only ringcomm.torch imports this module (it needs torch, an optional extra).
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from datetime import timedelta
 
 import ml_dtypes
@@ -164,40 +166,96 @@ class TorchStore(Store):
             raise StoreError(f"torch store {op} of {keys!r} failed: {e}") from e
 
 
+class Completer:
+    """Completes the torch futures of finished calls, in call order, off the progress thread.
+
+    A torch future runs its callbacks on the thread that completes it, and a callback may issue a
+    call and wait for it (DDP's PowerSGD hook does). Completed on the progress thread, that call
+    could never run: it waits in the queue behind the callback that waits for it. So completions
+    go to workers here, taken in order; while every worker is inside a callback, the next
+    completion gets a new worker, so a callback may wait for a call made in it, however deeply
+    nested. A worker idle for IDLE_S leaves, unless it is the last."""
+
+    IDLE_S = 5.0
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._queue: deque = deque()
+        self._workers = self._busy = 0
+
+    def submit(self, fn) -> None:
+        with self._cv:
+            self._queue.append(fn)
+            if self._busy + len(self._queue) > self._workers:  # no free worker for it
+                self._workers += 1
+                threading.Thread(target=self._work, name="ringcomm-futures", daemon=True).start()
+            self._cv.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue:
+                    if not self._cv.wait(self.IDLE_S) and not self._queue and self._workers > 1:
+                        self._workers -= 1
+                        return
+                fn = self._queue.popleft()
+                self._busy += 1
+            try:
+                fn()
+            finally:
+                with self._cv:
+                    self._busy -= 1
+
+
+COMPLETER = Completer()   # one for the process: its workers are shared by every group
+
+
 class Work(dist.Work):
     """One queued call of the process group, run by its communicator's progress thread
-    (ringcomm/progress.py) in call order. wait() returns once it ran (or raises its error);
-    get_future() completes at the same moment, holding the call's output tensors."""
+    (ringcomm/progress.py) in call order. get_future() completes once it ran, holding the call's
+    output tensors, on a worker of COMPLETER, where its callbacks run (DDP copies the reduced bucket
+    back into the grads). wait() returns (or raises the call's error) after that, as gloo's does:
+    the future is done and its callbacks have run."""
 
     def __init__(self, inner: ringcomm.work.Work, outputs: list):
         super().__init__()
         self._inner, self._outputs = inner, outputs
         self._future = torch.futures.Future()
+        self._completed = threading.Event()  # the future is set and its callbacks have run
         inner.add_done_callback(self._finish)  # on the progress thread, or now if it already ran
 
     def _finish(self, inner) -> None:
-        # Runs the future's callbacks (DDP copies the reduced bucket back into the grads).
-        error = inner.exception()
-        if error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(error)
+        COMPLETER.submit(self._complete)
+
+    def _complete(self) -> None:
+        try:
+            error = self._inner.exception()
+            if error is None:
+                self._future.set_result(self._outputs)
+            else:
+                self._future.set_exception(error)
+        finally:
+            self._completed.set()
 
     def wait(self, timeout=timedelta(0)) -> bool:
         """Block until the call ends. A positive timeout bounds the wait (CollectiveTimeout, as
         torch's backends raise); without one the call's own waits (each with ringcomm's timeout)
         bound it, and a stopped progress thread is reported."""
         limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
-        if limit > 0 and not self._inner.wait(limit):
-            raise CollectiveTimeout(f"rank {self._inner.rank} (this process) timed out after {limit:g} s "
-                                    f"in Work.wait() for {self._inner} of the ringcomm torch backend")
-        return self._inner.wait()
+        if limit > 0:
+            end = time.monotonic() + limit
+            if not (self._inner.wait(limit) and self._completed.wait(max(0.0, end - time.monotonic()))):
+                raise CollectiveTimeout(f"rank {self._inner.rank} (this process) timed out after {limit:g} s "
+                                        f"in Work.wait() for {self._inner} of the ringcomm torch backend")
+        done = self._inner.wait()
+        self._completed.wait()  # local: a completion queued on COMPLETER, whose callbacks are the user's
+        return done
 
     def is_completed(self) -> bool:
-        return self._inner.is_completed()
+        return self._completed.is_set()
 
     def is_success(self) -> bool:
-        return self._inner.is_completed() and self._inner.exception() is None
+        return self._completed.is_set() and self._inner.exception() is None
 
     def exception(self):
         return self._inner.exception()

@@ -231,6 +231,34 @@ def check_async_work(rank, n):
     return works[0].wait(timeout=timedelta(seconds=5))
 
 
+def check_callbacks_that_wait_for_collectives(rank, n):
+    """A future's callback that issues a collective and waits for it, as DDP's PowerSGD hook does:
+    the callback runs off the progress thread, which runs the collective it waits for. Nested
+    twice, async and blocking, and callbacks still run in call order."""
+    t, u, v = (torch.full((3,), float(rank + k)) for k in (1, 10, 100))
+    order = []
+
+    def inner(fut):
+        dist.all_reduce(v)                                   # blocking, inside a callback's callback
+        order.append("inner")
+        return fut.value()[0] + v
+
+    def outer(fut):
+        got = dist.all_reduce(u, async_op=True).get_future().then(inner).wait()
+        order.append("outer")
+        return fut.value()[0] + got
+
+    out = dist.all_reduce(t, async_op=True).get_future().then(outer).wait()
+    s = n * (n + 1) / 2
+    assert torch.equal(out, torch.full((3,), s + (s + 9 * n) + (s + 99 * n))), out
+    assert order == ["inner", "outer"], order
+    seen = []
+    works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(6)]
+    futs = [w.get_future().then(lambda f, i=i: seen.append(i)) for i, w in enumerate(works)]
+    torch.futures.wait_all(futs)
+    assert seen == list(range(6)), seen                      # completed in call order
+
+
 def _raises(kind, pattern, fn, *args, **kw):
     try:
         fn(*args, **kw)
@@ -542,6 +570,11 @@ def check_block_collectives(rank, n):
                          ids=lambda f: f.__name__[6:])
 def test_collective(world, check):
     world.run(check)
+
+
+@pytest.mark.timeout(120)
+def test_future_callbacks_may_wait_for_collectives(world):
+    world.run(check_callbacks_that_wait_for_collectives)
 
 
 @pytest.mark.timeout(120)
