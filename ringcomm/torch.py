@@ -160,7 +160,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts):
         op = tensor_op(opts.reduceOp, output, "reduce_scatter_tensor")
         same_kind(input, output, "reduce_scatter_tensor input and output")
-        x = host_view(input, "reduce_scatter_tensor input", reduce=True)
+        x = host_view(input, "reduce_scatter_tensor input", reduce=True, read_only=True)
         y = host_view(output, "reduce_scatter_tensor output", reduce=True)
         return self._submit("reduce_scatter_tensor", [output],
                             lambda: self.comm.reduce_scatter(x, y, op, **self._rp(op, x)))
@@ -177,7 +177,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts=None):
         outs, inp = _one(output_tensors, "all_gather"), _one(input_tensors, "all_gather")
         n = self.comm.world_size
-        x = host_view(inp, "all_gather input")
+        x = host_view(inp, "all_gather input", read_only=True)
         if len(outs) != n:
             raise ValueError(f"all_gather: {len(outs)} output tensors for a group of {n}")
         for o in outs:
@@ -196,7 +196,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         same_kind(input, output, "all_gather_into_tensor input and output")
-        x = host_view(input, "all_gather_into_tensor input")
+        x = host_view(input, "all_gather_into_tensor input", read_only=True)
         y = host_view(output, "all_gather_into_tensor output")
         return self._submit("all_gather_into_tensor", [output], lambda: self.comm.all_gather(x, y))
 

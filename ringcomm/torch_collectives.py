@@ -45,7 +45,7 @@ def _sizes(tensors, what, like) -> None:
 def gather(comm, outputs, inputs, root):
     """torch's gather: root's outputs[0] (world_size tensors) gets every rank's inputs[0]."""
     inp, n = inputs[0], comm.world_size
-    x = host_view(inp, "gather input")
+    x = host_view(inp, "gather input", read_only=True)
     if comm.rank != root:
         if outputs and outputs[0]:
             raise ValueError(f"gather: rank {comm.rank} is not the root ({root}) and must pass no gather_list")
@@ -99,7 +99,7 @@ def _split_bytes(t, splits, n, what):
 def all_to_all_single(comm, output, input, output_splits, input_splits):
     same_kind(input, output, "all_to_all_single input and output")
     n = comm.world_size
-    x, y = host_view(input, "all_to_all_single input"), host_view(output, "all_to_all_single output")
+    x, y = host_view(input, "all_to_all_single input", read_only=True), host_view(output, "all_to_all_single output")
     send = _split_bytes(input, input_splits, n, "all_to_all_single input")
     recv = _split_bytes(output, output_splits, n, "all_to_all_single output")
     if input.numel() and output.numel() and input.data_ptr() == output.data_ptr():
@@ -160,7 +160,7 @@ def all_gather_into_tensor_coalesced(comm, outputs, inputs):
     pairs = []
     for o, i in zip(outputs, inputs):
         same_kind(i, o, "all_gather_into_tensor_coalesced input and output")
-        pairs.append((host_view(i, "all_gather input"), host_view(o, "all_gather output")))
+        pairs.append((host_view(i, "all_gather input", read_only=True), host_view(o, "all_gather output")))
     return list(outputs), lambda: [comm.all_gather(x, y) for x, y in pairs]
 
 

@@ -289,7 +289,8 @@ def check_errors(rank, n):
 
 def check_dense_layouts(rank, n):
     """all_reduce, reduce and broadcast take a dense tensor in any order of its dimensions (as gloo
-    does): channels_last, a transpose. Calls whose blocks follow the index order refuse it."""
+    does): channels_last, a transpose. Calls whose blocks follow the index order read a
+    non-contiguous input from a contiguous copy (as gloo does), and refuse such an output."""
     want = torch.arange(120, dtype=torch.float32).reshape(2, 3, 4, 5)
     t = (want * (rank + 1)).to(memory_format=torch.channels_last)
     dist.all_reduce(t)
@@ -301,8 +302,16 @@ def check_dense_layouts(rank, n):
     dist.reduce(r, dst=0, op=RED.MAX)
     if rank == 0:
         assert torch.equal(r, (torch.arange(12, dtype=torch.float32).reshape(3, 4) + n - 1).t())
-    _raises(ValueError, r"all_gather input is not contiguous", dist.all_gather,
-            [torch.empty(4, 3) for _ in range(n)], m)
+    outs = [torch.empty(4, 3) for _ in range(n)]
+    dist.all_gather(outs, (torch.arange(12.0).reshape(3, 4) + rank).t())             # a transposed input
+    assert all(torch.equal(o, (torch.arange(12.0).reshape(3, 4) + q).t()) for q, o in enumerate(outs))
+    x = torch.arange(2.0 * n * 2).reshape(2 * n, 2)[:, 0] + rank                      # strided: every other
+    y = torch.empty(2)
+    dist.reduce_scatter_tensor(y, x)
+    s = torch.arange(2.0 * n * 2).reshape(2 * n, 2)[:, 0] * n + n * (n - 1) / 2
+    assert torch.equal(y, s[2 * rank:2 * rank + 2]), y
+    _raises(ValueError, r"reduce_scatter_tensor output is not contiguous", dist.reduce_scatter_tensor,
+            torch.empty(2, 2)[:, 0], x)
 
 
 def check_bool_reductions(rank, n):
