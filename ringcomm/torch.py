@@ -43,7 +43,7 @@ import ringcomm
 from . import torch_collectives as colls
 from . import torch_cuda, torch_groups
 from .torch_p2p import P2PBatch
-from .torch_support import TorchStore, Work, check_tensor, host_view, same_kind, tensor_op
+from .torch_support import TorchStore, Work, check_tensor, host_view, read_view, same_kind, tensor_op
 
 BACKEND = "ringcomm"
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # groups still open, closed at exit
@@ -160,10 +160,13 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts):
         op = tensor_op(opts.reduceOp, output, "reduce_scatter_tensor")
         same_kind(input, output, "reduce_scatter_tensor input and output")
-        x = host_view(input, "reduce_scatter_tensor input", reduce=True, read_only=True)
+        x, fill = read_view(input, "reduce_scatter_tensor input", reduce=True)
         y = host_view(output, "reduce_scatter_tensor output", reduce=True)
-        return self._submit("reduce_scatter_tensor", [output],
-                            lambda: self.comm.reduce_scatter(x, y, op, **self._rp(op, x)))
+
+        def run():
+            fill()
+            self.comm.reduce_scatter(x, y, op, **self._rp(op, x))
+        return self._submit("reduce_scatter_tensor", [output], run)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -177,7 +180,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def allgather(self, output_tensors, input_tensors, opts=None):
         outs, inp = _one(output_tensors, "all_gather"), _one(input_tensors, "all_gather")
         n = self.comm.world_size
-        x = host_view(inp, "all_gather input", read_only=True)
+        x, fill = read_view(inp, "all_gather input")
         if len(outs) != n:
             raise ValueError(f"all_gather: {len(outs)} output tensors for a group of {n}")
         for o in outs:
@@ -189,6 +192,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         y = host_view(flat, "all_gather staging")
 
         def run():
+            fill()
             self.comm.all_gather(x, y)
             for o, block in zip(outs, flat.view(n, inp.numel())):
                 o.detach().copy_(block.view(o.shape))
@@ -196,9 +200,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         same_kind(input, output, "all_gather_into_tensor input and output")
-        x = host_view(input, "all_gather_into_tensor input", read_only=True)
+        x, fill = read_view(input, "all_gather_into_tensor input")
         y = host_view(output, "all_gather_into_tensor output")
-        return self._submit("all_gather_into_tensor", [output], lambda: self.comm.all_gather(x, y))
+        return self._submit("all_gather_into_tensor", [output], lambda: (fill(), self.comm.all_gather(x, y)))
 
     _allgather_base = all_gather_single
 

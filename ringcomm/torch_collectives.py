@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .torch_support import check_tensor, host_view, same_kind
+from .torch_support import check_tensor, host_view, read_view, same_kind
 
 
 def _stage(tensors, what):
@@ -45,11 +45,11 @@ def _sizes(tensors, what, like) -> None:
 def gather(comm, outputs, inputs, root):
     """torch's gather: root's outputs[0] (world_size tensors) gets every rank's inputs[0]."""
     inp, n = inputs[0], comm.world_size
-    x = host_view(inp, "gather input", read_only=True)
+    x, fill = read_view(inp, "gather input")
     if comm.rank != root:
         if outputs and outputs[0]:
             raise ValueError(f"gather: rank {comm.rank} is not the root ({root}) and must pass no gather_list")
-        return [], lambda: comm.gather(x, root=root)
+        return [], lambda: (fill(), comm.gather(x, root=root))
     outs = outputs[0]
     if len(outs) != n:
         raise ValueError(f"gather: the root passes {len(outs)} output tensors for a group of {n}")
@@ -57,6 +57,7 @@ def gather(comm, outputs, inputs, root):
     flat, y = _stage(outs, "gather output")
 
     def run():
+        fill()
         comm.gather(x, y, root=root)
         _unpack(flat, outs)
     return list(outs), run
@@ -99,7 +100,7 @@ def _split_bytes(t, splits, n, what):
 def all_to_all_single(comm, output, input, output_splits, input_splits):
     same_kind(input, output, "all_to_all_single input and output")
     n = comm.world_size
-    x, y = host_view(input, "all_to_all_single input", read_only=True), host_view(output, "all_to_all_single output")
+    (x, fill), y = read_view(input, "all_to_all_single input"), host_view(output, "all_to_all_single output")
     send = _split_bytes(input, input_splits, n, "all_to_all_single input")
     recv = _split_bytes(output, output_splits, n, "all_to_all_single output")
     if input.numel() and output.numel() and input.data_ptr() == output.data_ptr():
@@ -107,8 +108,8 @@ def all_to_all_single(comm, output, input, output_splits, input_splits):
     if not input_splits and not output_splits:
         if x.size != y.size:
             raise ValueError(f"all_to_all_single: input has {input.numel()} elements, output {output.numel()}")
-        return [output], lambda: comm.all_to_all(x, y)
-    return [output], lambda: comm.all_to_all(x, y, send_counts=send, recv_counts=recv)
+        return [output], lambda: (fill(), comm.all_to_all(x, y))
+    return [output], lambda: (fill(), comm.all_to_all(x, y, send_counts=send, recv_counts=recv))
 
 
 def all_to_all(comm, outputs, inputs):
@@ -157,11 +158,12 @@ def all_gather_into_tensor_coalesced(comm, outputs, inputs):
     """One all_gather per (output, input) pair, all in one queued call."""
     if len(outputs) != len(inputs):
         raise ValueError(f"all_gather_into_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-    pairs = []
+    calls = []
     for o, i in zip(outputs, inputs):
         same_kind(i, o, "all_gather_into_tensor_coalesced input and output")
-        pairs.append((host_view(i, "all_gather input", read_only=True), host_view(o, "all_gather output")))
-    return list(outputs), lambda: [comm.all_gather(x, y) for x, y in pairs]
+        (x, fill), y = read_view(i, "all_gather input"), host_view(o, "all_gather output")
+        calls.append((x, fill, y))
+    return list(outputs), lambda: [(fill(), comm.all_gather(x, y)) for x, fill, y in calls]
 
 
 def sparse_all_reduce(comm, t, op_name: str):

@@ -76,7 +76,7 @@ def check_tensor(t, what: str) -> None:
         raise NotImplementedError(f"{what} has layout {t.layout}; the ringcomm backend takes dense tensors")
 
 
-def host_view(t, what: str, *, reduce: bool = False, elementwise: bool = False, read_only: bool = False) -> np.ndarray:
+def host_view(t, what: str, *, reduce: bool = False, elementwise: bool = False) -> np.ndarray:
     """A flat numpy view of a CPU tensor's own memory (no copy).
 
     ``reduce``: typed, for the collectives that do arithmetic (bfloat16 through ml_dtypes,
@@ -85,16 +85,12 @@ def host_view(t, what: str, *, reduce: bool = False, elementwise: bool = False, 
     (all_reduce, reduce, broadcast, send/recv), a dense tensor in any order of its dimensions
     (channels_last, a transpose) is taken too, in the order of its memory, as gloo takes it: every
     rank is expected to pass the same layout (NCCL, which flattens memory alike, expects the same).
-    ``read_only``: an input the call only reads; one that is not contiguous is read from a
-    contiguous copy, as gloo reads it (an output must be the tensor's own memory).
     """
     check_tensor(t, what)
     if t.is_contiguous():
         flat = t.detach().reshape(-1)  # a view: the tensor is contiguous
     elif elementwise and _dense(t):
         flat = t.detach().as_strided((t.numel(),), (1,))  # its memory, from its first element
-    elif read_only:
-        flat = t.detach().contiguous().reshape(-1)
     else:
         raise ValueError(f"{what} is not contiguous (strides {tuple(t.stride())}); pass tensor.contiguous()")
     if not reduce or t.dtype == torch.bool:   # bool: its 0/1 bytes, reduced as tensor_op says
@@ -106,6 +102,22 @@ def host_view(t, what: str, *, reduce: bool = False, elementwise: bool = False, 
     if t.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return flat.numpy()
+
+
+def read_view(t, what: str, *, reduce: bool = False):
+    """(numpy view, fill) for an input the call only reads. A contiguous tensor is its own memory
+    and fill() does nothing; another is read, as gloo reads it, from a contiguous copy that fill()
+    makes when the call runs (not at the call: a call queued before it may still write t). An
+    output must be its tensor's own memory (host_view)."""
+    check_tensor(t, what)
+    if t.is_contiguous():
+        return host_view(t, what, reduce=reduce), _nothing
+    staging = torch.empty(t.shape, dtype=t.dtype)
+    return host_view(staging, what, reduce=reduce), lambda: staging.copy_(t.detach())
+
+
+def _nothing():
+    pass
 
 
 def _dense(t) -> bool:

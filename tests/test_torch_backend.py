@@ -305,6 +305,10 @@ def check_dense_layouts(rank, n):
     outs = [torch.empty(4, 3) for _ in range(n)]
     dist.all_gather(outs, (torch.arange(12.0).reshape(3, 4) + rank).t())             # a transposed input
     assert all(torch.equal(o, (torch.arange(12.0).reshape(3, 4) + q).t()) for q, o in enumerate(outs))
+    z = torch.arange(12.0).reshape(3, 4) * (rank + 1)
+    dist.all_reduce(z, async_op=True)             # not waited for: the gather queued after it reads its result
+    dist.all_gather(outs, z.t())
+    assert all(torch.equal(o, (torch.arange(12.0).reshape(3, 4) * (n * (n + 1) // 2)).t()) for o in outs)
     x = torch.arange(2.0 * n * 2).reshape(2 * n, 2)[:, 0] + rank                      # strided: every other
     y = torch.empty(2)
     dist.reduce_scatter_tensor(y, x)
