@@ -58,6 +58,24 @@ def _unsupported(name: str):
     return method
 
 
+# ProcessGroup's methods also take a tensor for a list, and an op or a root for the options
+# (pg.allreduce(t, ReduceOp.MAX), pg.broadcast(t, 1), pg.reduce(t, 0, op)), as gloo's do.
+
+def _listed(tensors) -> list:
+    return [tensors] if isinstance(tensors, torch.Tensor) else tensors
+
+
+def _op(opts):
+    """The reduction of an options object, or the op itself; SUM for none."""
+    if opts is None:
+        return dist.ReduceOp.SUM
+    return opts.reduceOp if hasattr(opts, "reduceOp") else opts
+
+
+def _root(opts) -> int:
+    return opts if isinstance(opts, int) else opts.rootRank
+
+
 def _one(tensors, collective: str):
     if len(tensors) != 1:
         raise NotImplementedError(f"{collective}: the ringcomm backend takes one tensor per call, got {len(tensors)}")
@@ -120,7 +138,7 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # ---- reductions -------------------------------------------------------------------------
 
     def allreduce(self, tensors, opts=None):
-        red = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        tensors, red = _listed(tensors), _op(opts)
         if len(tensors) == 1 and tensors[0].layout == torch.sparse_coo:
             name = getattr(getattr(red, "op", red), "name", str(red))
             return self._submit("sparse all_reduce", *colls.sparse_all_reduce(self.comm, tensors[0], name))
@@ -131,11 +149,11 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
 
     allreduce_coalesced = allreduce  # a list of tensors, reduced one after another
 
-    def reduce(self, tensors, opts):
-        t = _one(tensors, "reduce")
-        op = tensor_op(opts.reduceOp, t, "reduce")
+    def reduce(self, tensors, opts, op=None):
+        t, root = _one(_listed(tensors), "reduce"), _root(opts)
+        op = tensor_op(_op(opts if op is None else op), t, "reduce")
         v = host_view(t, "reduce tensor", reduce=True, elementwise=True)
-        return self._submit("reduce", [t], lambda: self.comm.reduce(v, opts.rootRank, op, **self._rp(op, v)))
+        return self._submit("reduce", [t], lambda: self.comm.reduce(v, root, op, **self._rp(op, v)))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         out, ins = _one(output_tensors, "reduce_scatter"), _one(input_tensors, "reduce_scatter")
@@ -173,9 +191,9 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     # ---- data movement: bytes, so every dtype moves -----------------------------------------
 
     def broadcast(self, tensors, opts):
-        t = _one(tensors, "broadcast")
+        t, root = _one(_listed(tensors), "broadcast"), _root(opts)
         v = host_view(t, "broadcast tensor", elementwise=True)
-        return self._submit("broadcast", [t], lambda: self.comm.broadcast(v, opts.rootRank))
+        return self._submit("broadcast", [t], lambda: self.comm.broadcast(v, root))
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         outs, inp = _one(output_tensors, "all_gather"), _one(input_tensors, "all_gather")
@@ -232,7 +250,29 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._submit("barrier", [], self.comm.barrier)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced = _unsupported("coalesced reduce_scatter")
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """One reduce_scatter per (output, input) pair, in one queued call: the functional
+        collectives' reduce_scatter_tensor comes here."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
+        red, n, calls = (opts.reduceOp if opts is not None else dist.ReduceOp.SUM), self.comm.world_size, []
+        for o, i in zip(outputs, inputs):
+            op = tensor_op(red, o, "reduce_scatter_tensor_coalesced")
+            same_kind(i, o, "reduce_scatter_tensor_coalesced input and output")
+            if i.numel() != n * o.numel():
+                raise ValueError(f"reduce_scatter_tensor_coalesced: an input has {i.numel()} elements, "
+                                 f"not {n} x its output's {o.numel()}")
+            (x, fill), y = read_view(i, "reduce_scatter input", reduce=True), host_view(o, "reduce_scatter output",
+                                                                                       reduce=True)
+            calls.append((x, fill, y, op))
+
+        def run():
+            for x, fill, y, op in calls:
+                fill()
+                self.comm.reduce_scatter(x, y, op, **self._rp(op, x))
+        return self._submit("reduce_scatter_tensor_coalesced", list(outputs), run)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # ---- block collectives (ringcomm/torch_collectives.py) -----------------------------------
 

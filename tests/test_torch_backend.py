@@ -259,6 +259,32 @@ def check_callbacks_that_wait_for_collectives(rank, n):
     assert seen == list(range(6)), seen                      # completed in call order
 
 
+def check_functional_and_method_forms(rank, n):
+    """The functional collectives' reduce_scatter_tensor (a coalesced reduce_scatter underneath), and
+    ProcessGroup's methods called with a tensor for the list and an op or root for the options."""
+    import torch.distributed._functional_collectives as fc
+    pg = dist.distributed_c10d._get_default_group()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)     # torch renames these; both names work
+        got = torch.as_tensor(fc.reduce_scatter_tensor(torch.arange(2.0 * n) + rank, "sum", 0, pg))
+        two = [torch.as_tensor(x) for x in fc.reduce_scatter_tensor_coalesced(
+            [torch.arange(2.0 * n), torch.ones(n) * rank], "sum", [0, 0], pg)]
+    assert torch.equal(got, torch.tensor([2.0 * rank, 2.0 * rank + 1]) * n + n * (n - 1) / 2), got
+    assert torch.equal(two[0], torch.tensor([2.0 * rank, 2.0 * rank + 1]) * n) and two[1].item() == n * (n - 1) / 2, two
+    t = torch.ones(2) * (rank + 1)
+    pg.allreduce(t, RED.MAX).wait()
+    assert torch.equal(t, torch.full((2,), float(n)))
+    pg.allreduce([t], RED.SUM).wait()
+    assert torch.equal(t, torch.full((2,), float(n * n)))
+    b = torch.ones(2) * rank
+    pg.broadcast(b, n - 1).wait()
+    assert torch.equal(b, torch.full((2,), float(n - 1)))
+    r = torch.ones(2) * (rank + 1)
+    pg.reduce(r, 0, RED.SUM).wait()
+    if rank == 0:
+        assert torch.equal(r, torch.full((2,), n * (n + 1) / 2))
+
+
 def _raises(kind, pattern, fn, *args, **kw):
     try:
         fn(*args, **kw)
@@ -583,6 +609,11 @@ def check_block_collectives(rank, n):
                          ids=lambda f: f.__name__[6:])
 def test_collective(world, check):
     world.run(check)
+
+
+@pytest.mark.timeout(120)
+def test_functional_collectives_and_method_forms(world):
+    world.run(check_functional_and_method_forms)
 
 
 @pytest.mark.timeout(120)
