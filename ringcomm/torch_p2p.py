@@ -105,7 +105,7 @@ class DeferredWork(dist.Work):
         return self._outputs
 
     def get_future(self):
-        self._started()
+        self._started().get_future()  # (on a worker of torch_support.COMPLETER: hands its queue on)
         return self._future
 
     def synchronize(self) -> None:

@@ -183,44 +183,74 @@ class TorchStore(Store):
 
 
 class Completer:
-    """Completes the torch futures of finished calls, in call order, off the progress thread.
+    """Completes the torch futures of finished calls off the progress thread, in call order.
 
-    A torch future runs its callbacks on the thread that completes it, and a callback may issue a
+    A torch future runs its callbacks on the thread that completes it, and a callback may make a
     call and wait for it (DDP's PowerSGD hook does). Completed on the progress thread, that call
-    could never run: it waits in the queue behind the callback that waits for it. So completions
-    go to workers here, taken in order; while every worker is inside a callback, the next
-    completion gets a new worker, so a callback may wait for a call made in it, however deeply
-    nested. A worker idle for IDLE_S leaves, unless it is the last."""
+    could never run: it waits in the queue behind the callback that waits for it. So a worker here
+    takes the completions, one at a time and in call order, so that callbacks run in that order
+    too; a callback that makes a call or takes a Work's future (what it may then wait for) first
+    hands the queue on to another worker (hand_off), so the completion it waits for is not queued
+    behind it, however deeply such callbacks nest. A worker idle for IDLE_S leaves, unless it is
+    the last."""
 
     IDLE_S = 5.0
 
     def __init__(self):
         self._cv = threading.Condition()
         self._queue: deque = deque()
-        self._workers = self._busy = 0
+        self._active = None          # the worker taking completions now
+        self._workers = self._idle = 0
+        self._local = threading.local()
 
     def submit(self, fn) -> None:
         with self._cv:
             self._queue.append(fn)
-            if self._busy + len(self._queue) > self._workers:  # no free worker for it
-                self._workers += 1
-                threading.Thread(target=self._work, name="ringcomm-futures", daemon=True).start()
+            self._start()
+
+    def hand_off(self) -> None:
+        """On a worker, inside a callback: the completions after this one go to another worker."""
+        if getattr(self._local, "worker", False):
+            with self._cv:
+                if self._active is threading.current_thread():
+                    self._active = None
+                    if self._queue:
+                        self._start()
+
+    def _start(self) -> None:
+        """(lock held) Make sure a worker will take the queue."""
+        if self._active is not None:
+            return
+        if self._idle:
             self._cv.notify()
+        else:
+            self._workers += 1
+            threading.Thread(target=self._work, name="ringcomm-futures", daemon=True).start()
 
     def _work(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue:
-                    if not self._cv.wait(self.IDLE_S) and not self._queue and self._workers > 1:
+        me = threading.current_thread()
+        self._local.worker = True
+        with self._cv:
+            while True:
+                while self._active is not None or not self._queue:
+                    self._idle += 1
+                    woken = self._cv.wait(self.IDLE_S)
+                    self._idle -= 1
+                    if not woken and (self._active is not None or not self._queue) and self._workers > 1:
                         self._workers -= 1
                         return
-                fn = self._queue.popleft()
-                self._busy += 1
-            try:
-                fn()
-            finally:
-                with self._cv:
-                    self._busy -= 1
+                self._active = me
+                while self._queue and self._active is me:
+                    fn = self._queue.popleft()
+                    self._cv.release()
+                    try:
+                        fn()
+                    finally:
+                        self._cv.acquire()
+                if self._active is me:
+                    self._active = None
+                elif self._queue:
+                    self._start()
 
 
 COMPLETER = Completer()   # one for the process: its workers are shared by every group
@@ -238,6 +268,7 @@ class Work(dist.Work):
         self._inner, self._outputs = inner, outputs
         self._future = torch.futures.Future()
         self._completed = threading.Event()  # the future is set and its callbacks have run
+        COMPLETER.hand_off()                   # made in a callback, which may wait for it
         inner.add_done_callback(self._finish)  # on the progress thread, or now if it already ran
 
     def _finish(self, inner) -> None:
@@ -257,6 +288,7 @@ class Work(dist.Work):
         """Block until the call ends. A positive timeout bounds the wait (CollectiveTimeout, as
         torch's backends raise); without one the call's own waits (each with ringcomm's timeout)
         bound it, and a stopped progress thread is reported."""
+        COMPLETER.hand_off()  # waited for in a callback: its completion must not queue behind it
         limit = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         if limit > 0:
             end = time.monotonic() + limit
@@ -281,6 +313,7 @@ class Work(dist.Work):
         return self._outputs
 
     def get_future(self):
+        COMPLETER.hand_off()  # asked for in a callback, which may wait for it
         return self._future
 
     def synchronize(self) -> None:
