@@ -243,3 +243,18 @@ def open_fds() -> set[str]:
         except OSError:  # the fd listdir itself used, gone by now
             pass
     return fds
+
+
+def ran_at_once(rank: int, name: str, fn):
+    """A ringcomm.work.Work for ``fn`` run now, on this thread, with its error (if any) kept in the
+    Work as the progress thread keeps it: a stand-in for a communicator's progress.submit in tests
+    that fake the communicator."""
+    from ringcomm.work import Work
+    work = Work(rank, name)
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the Work carries it, as the progress thread does
+        work._finish(e)
+    else:
+        work._finish(None)
+    return work
