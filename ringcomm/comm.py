@@ -359,7 +359,7 @@ class Communicator:
             self._make_registry()  # plain buffers may take the read steps by CMA: settle probes once
         if self._registry is not None or picked == READ:  # comm.alloc or a CMA candidate, or "read" asked for
             if self._registry is not None:
-                self._registry.doing = f"{collective} #{self._seq + 1}"  # named if settle's probe fails
+                self._registry.doing = (collective, self._seq + 1)  # named if settle's probe fails
             picked = settle(self._registry, collective, picked, auto, x, y, nbytes)
         algo = picked
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)

@@ -173,7 +173,7 @@ class Registry:
         self.engine = ReadEngine(self)
         self.closed = False
         self.cma = None                 # whether every pair can read plain buffers by CMA; None: not probed
-        self.doing = ""                 # the call that may probe CMA ("all_reduce #3"), for messages
+        self.doing = None               # the call that may probe CMA: (collective, its number), for messages
 
     def _others(self):
         return [p for p in range(self.n) if p != self.rank]
@@ -280,7 +280,7 @@ class Registry:
             raise PeerFailure(f"{me} failed waiting for {why}: {e}") from None
 
     def _purpose(self) -> str:
-        return f", for {self.doing}" if self.doing else self.links._purpose()
+        return f", for {self.doing[0]} #{self.doing[1]}" if self.doing else self.links._purpose()
 
     def _create(self, size: int) -> _Map:
         global _serial

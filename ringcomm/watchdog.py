@@ -69,7 +69,7 @@ class Watchdog:
         """This rank's own failure message as another rank quotes it: "rank 6 failed waiting ...
         from rank 5 ...: rank 5 (pid 1234) died while rank 6 waited ..." (no "this process")."""
         me = f"rank {self.rank}"
-        return msg.replace(f"{me} (this process)", me, 1).replace("this rank", me)
+        return msg.replace(f"{me} (this process)", me).replace("this rank", me)
 
     def first_failure(self, peer: int) -> str | None:
         """The failure that started it all, as ``peer`` recorded it when it failed (before it

@@ -396,3 +396,14 @@ def test_a_forked_child_can_neither_use_nor_close_the_parents_communicator():
         (said, *got0), (_, *got1) = world.run(_fork_a_child, timeout=40)
     assert said.startswith("rank 0: rank 0's communicator was made in process") and "is a fork of it" in said, said
     assert got0 == got1 == [3.0] * 4, (got0, got1)
+
+
+def test_a_failure_quoted_by_another_rank_names_its_rank_everywhere():
+    """The first failure, as the ranks after it quote it: every "rank 2 (this process)" and "this
+    rank" of rank 2's message become "rank 2" (the ibverbs messages name this rank twice)."""
+    from ringcomm.watchdog import Watchdog
+    said = ("rank 2 (this process) failed waiting for slice 3 of all_reduce #2 from rank 1 over ibverbs: the "
+            "recv queue pair between rank 2 (this process) and rank 1 failed while this rank waited")
+    quoted = Watchdog(2, 3, None, "c1").as_cause(said)
+    assert "this process" not in quoted and "this rank" not in quoted, quoted
+    assert quoted.count("rank 2") == 3 and quoted.startswith("rank 2 failed waiting"), quoted
