@@ -4,6 +4,7 @@ Only ringcomm.torch imports this module (it needs torch, an optional extra).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
@@ -197,6 +198,10 @@ class Completer:
     IDLE_S = 5.0
 
     def __init__(self):
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)  # a forked child has none of our workers
+
+    def _reset(self) -> None:
         self._cv = threading.Condition()
         self._queue: deque = deque()
         self._active = None          # the worker taking completions now

@@ -942,3 +942,24 @@ def test_a_recv_takes_its_tag_and_stashes_the_messages_before_it():
     pg.recv([one], 1, 1).wait()
     assert comm.log == [(1, 8), (1, 8)] and one.tolist() == [1.0, 1.0]   # taken from it
     _raises(TimeoutError, r"recv from rank 1 with tag 3 timed out after 0.3 s", pg.recv([one], 1, 3).wait)
+
+
+def test_the_future_completer_starts_afresh_in_a_forked_child():
+    """A child forked while the completer's worker waits idle has no such worker: its first
+    completion must start one, not notify a thread that exists only in the parent."""
+    import threading
+    from ringcomm.torch_support import COMPLETER
+    ran = threading.Event()
+    COMPLETER.submit(ran.set)
+    assert ran.wait(5)
+    for _ in range(100):  # until the worker is back waiting (a poll with a bound, not a sync)
+        if COMPLETER._idle:
+            break
+        threading.Event().wait(0.01)
+    pid = os.fork()
+    if pid == 0:
+        ok = threading.Event()
+        COMPLETER.submit(ok.set)
+        os._exit(0 if ok.wait(5) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
