@@ -43,8 +43,9 @@ class Store:
 
     timeout: float = 300.0  # seconds, used when a call passes timeout=None
 
-    def set(self, key: str, value: bytes | str) -> None:
-        self._set(_check_key(key), _as_bytes(value))
+    def set(self, key: str, value: bytes | str, timeout: float | None = None) -> None:
+        """``timeout`` (here and for add and delete): how long the store may take to answer."""
+        self._set(_check_key(key), _as_bytes(value), self._timeout(timeout))
 
     def get(self, key: str, timeout: float | None = None) -> bytes:
         """Block until ``key`` exists; StoreTimeout names the key and the timeout."""
@@ -55,15 +56,15 @@ class Store:
             raise TypeError(f"wait() takes a list of keys, got the single key {keys!r}")
         self._wait([_check_key(k) for k in keys], self._timeout(timeout))
 
-    def add(self, key: str, amount: int) -> int:
+    def add(self, key: str, amount: int, timeout: float | None = None) -> int:
         """Atomically add to the integer at ``key`` (created at 0); return the new value."""
         if not isinstance(amount, int) or isinstance(amount, bool):
             raise TypeError(f"add() takes an int amount, got {amount!r}")
-        return self._add(_check_key(key), amount)
+        return self._add(_check_key(key), amount, self._timeout(timeout))
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: str, timeout: float | None = None) -> bool:
         """Remove ``key``; return whether it existed."""
-        return self._delete(_check_key(key))
+        return self._delete(_check_key(key), self._timeout(timeout))
 
     def arrive(self, key: str, n: int, wait: float | None = None) -> None:
         """Count this process at ``key``; the n-th arrival sets ``key/all``. With ``wait``, then wait
@@ -89,7 +90,9 @@ class Store:
             raise ValueError(f"timeout must be >= 0, got {t}")
         return t
 
-    def _set(self, key: str, value: bytes) -> None:
+    # The hooks of set, add and delete get the time the store may take to answer; a store that
+    # answers at once (in memory) or bounds it itself (torch's) ignores it.
+    def _set(self, key: str, value: bytes, timeout: float) -> None:
         raise NotImplementedError
 
     def _get(self, key: str, timeout: float) -> bytes:
@@ -98,10 +101,10 @@ class Store:
     def _wait(self, keys: list[str], timeout: float) -> None:
         raise NotImplementedError
 
-    def _add(self, key: str, amount: int) -> int:
+    def _add(self, key: str, amount: int, timeout: float) -> int:
         raise NotImplementedError
 
-    def _delete(self, key: str) -> bool:
+    def _delete(self, key: str, timeout: float) -> bool:
         raise NotImplementedError
 
 
@@ -131,7 +134,7 @@ class HashStore(Store):
                 raise StoreTimeout(_timeout_message(op, missing, timeout))
             self._cv.wait(left)
 
-    def _set(self, key, value):
+    def _set(self, key, value, timeout):
         with self._cv:
             self._check_open()
             self._data[key] = value
@@ -146,7 +149,7 @@ class HashStore(Store):
         with self._cv:
             self._await(keys, timeout, "wait")
 
-    def _add(self, key, amount):
+    def _add(self, key, amount, timeout):
         with self._cv:
             self._check_open()
             old = self._data.get(key, b"0")
@@ -158,7 +161,7 @@ class HashStore(Store):
             self._cv.notify_all()
             return value
 
-    def _delete(self, key):
+    def _delete(self, key, timeout):
         with self._cv:
             return self._data.pop(key, None) is not None
 
@@ -231,15 +234,18 @@ class TCPStore(Store):
             raise StoreError(f"store at {self.where} refused this process: wrong RINGCOMM_TOKEN")
         return sock
 
-    def _request(self, mtype: Msg, fields: list[bytes], expect: Msg, wait_s: float = 0.0) -> bytes:
+    def _request(self, mtype: Msg, fields: list[bytes], expect: Msg, wait_s: float = 0.0,
+                 answer_s: float | None = None) -> bytes:
+        """One request and its reply. The server answers a blocked GET/WAIT by ``wait_s``; then it
+        has ``answer_s`` more (default: the store's timeout)."""
         payload = wire.pack_fields(*fields)
+        slack = self.timeout if answer_s is None else answer_s
         with self._lock:
             sock = self._sock
             if sock is None:
                 raise StoreError(f"this client of the store at {self.where} is closed")
             try:
-                # The server answers a blocked GET/WAIT by wait_s; the rest is slack.
-                sock.settimeout(wait_s + self.timeout)
+                sock.settimeout(wait_s + slack)
                 wire.send_frame(sock, mtype, payload)
                 rtype, reply = wire.recv_frame(sock)
             except (OSError, EOFError, wire.ProtocolError) as e:
@@ -248,7 +254,7 @@ class TCPStore(Store):
                 sock.close()
                 if isinstance(e, TimeoutError):
                     raise StoreTimeout(f"store at {self.where} did not answer within "
-                                       f"{wait_s + self.timeout:g} s") from None
+                                       f"{wait_s + slack:g} s") from None
                 raise StoreError(f"lost the store at {self.where}: {e!r}") from e
         if rtype == expect:
             return reply
@@ -257,8 +263,8 @@ class TCPStore(Store):
             raise StoreTimeout(f"{text} (store at {self.where})")
         raise StoreError(f"store at {self.where}: {text}")
 
-    def _set(self, key, value):
-        self._request(Msg.SET, [key.encode(), value], Msg.OK)
+    def _set(self, key, value, timeout):
+        self._request(Msg.SET, [key.encode(), value], Msg.OK, answer_s=timeout)
 
     def _get(self, key, timeout):
         return self._request(Msg.GET, [key.encode(), F64.pack(timeout)], Msg.VALUE, timeout)
@@ -266,11 +272,11 @@ class TCPStore(Store):
     def _wait(self, keys, timeout):
         self._request(Msg.WAIT, [F64.pack(timeout), *(k.encode() for k in keys)], Msg.OK, timeout)
 
-    def _add(self, key, amount):
-        return I64.unpack(self._request(Msg.ADD, [key.encode(), I64.pack(amount)], Msg.VALUE))[0]
+    def _add(self, key, amount, timeout):
+        return I64.unpack(self._request(Msg.ADD, [key.encode(), I64.pack(amount)], Msg.VALUE, answer_s=timeout))[0]
 
-    def _delete(self, key):
-        return self._request(Msg.DELETE, [key.encode()], Msg.VALUE) == b"\x01"
+    def _delete(self, key, timeout):
+        return self._request(Msg.DELETE, [key.encode()], Msg.VALUE, answer_s=timeout) == b"\x01"
 
     def close(self) -> None:
         """Close this client, and stop the server if this instance runs it. Idempotent."""

@@ -143,7 +143,7 @@ class TorchStore(Store):
     def __init__(self, store, timeout: float = 300.0):
         self._store, self.timeout = store, float(timeout)
 
-    def _set(self, key, value):
+    def _set(self, key, value, timeout):   # c10d's store bounds its own calls
         self._call("set", [key], self._store.set, key, value)
 
     def _get(self, key, timeout):
@@ -164,10 +164,10 @@ class TorchStore(Store):
             time.sleep(min(pause, left))  # a poll, not a synchronisation: check() decides
             pause = min(2 * pause, _CHECK_MAX_S)
 
-    def _add(self, key, amount):
+    def _add(self, key, amount, timeout):
         return int(self._call("add", [key], self._store.add, key, amount))
 
-    def _delete(self, key):
+    def _delete(self, key, timeout):
         return bool(self._call("delete", [key], self._store.delete_key, key))
 
     def _call(self, op, keys, fn, *args):

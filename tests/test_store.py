@@ -299,3 +299,36 @@ def test_arrive_marks_the_last_arrival_and_the_host_waits_for_it():
         s.arrive("closed", 2, wait=0.05)       # the host alone: the other has not come
     s.arrive("closed", 2)                      # the other comes, and does not wait
     s.wait(["closed/all"], timeout=0.05)       # the second arrival of two set it
+
+
+@pytest.mark.timeout(30)
+def test_set_add_delete_take_a_timeout_of_their_own():
+    """A store that stops answering (its process stopped): set, add and delete end at their own
+    timeout with a StoreTimeout, not at the store's (60 s here)."""
+    import signal
+    import subprocess
+    import sys
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    serve = (f"import time; from ringcomm.store import TCPStore; "
+             f"s = TCPStore('127.0.0.1', {port}, is_server=True, token='{TOKEN}', timeout=60); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", serve])
+    clients = []
+    try:
+        clients = [client(port, timeout=60) for _ in range(3)]
+        clients[0].set("k", b"1", timeout=5)
+        os.kill(proc.pid, signal.SIGSTOP)
+        calls = [lambda c: c.set("k", b"2", timeout=0.3), lambda c: c.add("n", 1, timeout=0.3),
+                 lambda c: c.delete("k", timeout=0.3)]
+        for c, call in zip(clients, calls):
+            t0 = time.monotonic()
+            with pytest.raises(StoreTimeout, match=r"did not answer within 0\.3 s"):
+                call(c)
+            assert time.monotonic() - t0 < 3
+    finally:
+        for c in clients:
+            c.close()
+        proc.kill()
+        proc.wait()
