@@ -216,6 +216,8 @@ class Communicator:
     @asyncable
     def send(self, buf, peer):
         """Send ``buf`` to ``peer``, which must call recv with a buffer of the same size and dtype."""
+        if self._to_self(peer, "send", buf):
+            return
         self._check_rank(peer, "send peer", not_me=True)
         x = host_array(buf, "send buf", writable=False)
         self._p2p("send", p2p.p2p_send(self.rank, self.world_size, peer), x, x)
@@ -223,6 +225,8 @@ class Communicator:
     @asyncable
     def recv(self, buf, peer):
         """Receive into ``buf`` what ``peer`` sends."""
+        if self._to_self(peer, "recv", buf):
+            return buf
         self._check_rank(peer, "recv peer", not_me=True)
         x = host_array(buf, "recv buf", writable=True)
         self._p2p("recv", p2p.p2p_recv(self.rank, self.world_size, peer), x, x)
@@ -587,7 +591,19 @@ class Communicator:
         if not isinstance(r, (int, np.integer)) or not 0 <= r < self.world_size:
             raise ValueError(f"{what} {r!r} is out of range for world_size {self.world_size}")
         if not_me and r == self.rank:
-            raise ValueError(f"{what} {r} is this rank itself")
+            raise ValueError(f"{what} {r} is this rank itself (inside comm.group(), a send to itself and a "
+                             f"receive from itself pair up as a copy; alone, each would wait for the other)")
+
+    def _to_self(self, peer, kind: str, buf) -> bool:
+        """Inside comm.group(), a send to this rank itself or a receive from it: recorded, to pair
+        up in issue order as a copy when the group runs (NCCL allows them in a group too)."""
+        group = self._progress.capture() if self._progress.capturing else None
+        if group is None or not isinstance(peer, (int, np.integer)) or peer != self.rank:
+            return False
+        x = host_array(buf, f"{kind} buf", writable=kind == "recv")
+        self._next_seq()   # refused on a closed communicator, as every call
+        group.to_self.append((kind, x))
+        return True
 
 
 def _flat(arr: np.ndarray) -> np.ndarray:

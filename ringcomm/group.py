@@ -49,13 +49,14 @@ class Group:
         self.comm = comm
         self.members: list = []   # (schedule, Call), in issue order
         self.pre: list = []       # functions to run before the members (RINGCOMM_DEBUG=check's checks)
+        self.to_self: list = []   # ("send" | "recv", array): this rank's messages to itself, in issue order
         self._outer = None
 
     def __enter__(self):
         progress = self.comm._progress
         self._outer = progress.capture()
         if self._outer is not None:  # nested: record into the outermost group
-            self.members, self.pre = self._outer.members, self._outer.pre
+            self.members, self.pre, self.to_self = self._outer.members, self._outer.pre, self._outer.to_self
         progress.set_capture(self)
         return self
 
@@ -63,6 +64,9 @@ class Group:
         self.comm._progress.set_capture(self._outer)
         if exc_type is not None or self._outer is not None:
             return False  # an error inside the block discards the group: nothing has moved
+        if self.to_self:
+            pairs = pair_to_self(self.to_self, self.comm.rank)  # a ValueError before anything moves
+            self.pre.append(lambda: copy_to_self(pairs))
         if self.members or self.pre:
             self.comm._progress.run("group", self._run)
         return False
@@ -78,6 +82,26 @@ class Group:
             fn()
         comm = self.comm
         comm._execute_now(self.members, None, engine=_Together(comm))
+
+
+def pair_to_self(to_self: list, rank: int) -> list:
+    """A group's sends to this rank itself and receives from it, paired in issue order (as NCCL
+    pairs them): (sent array, receiving array), checked alike in size and dtype."""
+    sends = [a for kind, a in to_self if kind == "send"]
+    recvs = [a for kind, a in to_self if kind == "recv"]
+    if len(sends) != len(recvs):
+        raise ValueError(f"comm.group() on rank {rank}: {len(sends)} send(s) to this rank itself and "
+                         f"{len(recvs)} receive(s) from it; each needs its partner in the same group")
+    for i, (x, y) in enumerate(zip(sends, recvs)):
+        if x.dtype != y.dtype or x.size != y.size:
+            raise ValueError(f"comm.group() on rank {rank}: send {i} to this rank itself has {x.size} {x.dtype}, "
+                             f"the receive it pairs with {y.size} {y.dtype}")
+    return list(zip(sends, recvs))
+
+
+def copy_to_self(pairs: list) -> None:
+    for x, y in pairs:
+        np.copyto(y.reshape(-1), x.reshape(-1))
 
 
 class _Together:

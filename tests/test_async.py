@@ -114,6 +114,39 @@ def _ring_shift(comm):
     assert (b == (r - 1) % n).all() and (d == np.arange(5) * ((r - 1) % n + 1)).all()
 
 
+def _with_itself(comm):
+    """A group's sends to this rank itself and receives from it pair up in issue order, beside
+    the messages to its neighbours (NCCL allows both in a group)."""
+    n, r = comm.world_size, comm.rank
+    mine, theirs = [np.arange(4.0) + 10 * r + k for k in range(2)], np.full(3, float(r))
+    got, back = [np.empty(4) for _ in range(2)], np.empty(3)
+    with comm.group():
+        comm.recv(got[0], r)
+        if n > 1:
+            comm.send(theirs, (r + 1) % n)
+        comm.send(mine[0], r)
+        if n > 1:
+            comm.recv(back, (r - 1) % n)
+        comm.send(mine[1], r)
+        comm.recv(got[1], r)
+    assert all((g == m).all() for g, m in zip(got, mine)) and (n == 1 or (back == (r - 1) % n).all())
+
+
+def test_a_world_of_one_sends_to_itself_in_a_group(comm):
+    _ring_shift(comm)
+    _with_itself(comm)
+    x = np.ones(4, np.float32)
+    with pytest.raises(ValueError, match=r"1 send\(s\) to this rank itself and 0 receive"):
+        with comm.group():
+            comm.send(x, 0)
+    with pytest.raises(ValueError, match="has 4 float32, the receive it pairs with 3 float32"):
+        with comm.group():
+            comm.send(x, 0)
+            comm.recv(np.empty(3, np.float32), 0)
+    with pytest.raises(ValueError, match=r"is this rank itself \(inside comm.group\(\)"):
+        comm.send(x, 0)   # alone, a send to itself would wait for ever for its own receive
+
+
 def _all_to_all(comm):
     """An all-to-all as n - 1 sends and n - 1 receives, receives issued first, each 10 FIFOs."""
     n, r = comm.world_size, comm.rank
@@ -169,7 +202,7 @@ def test_order_and_groups(n, transport):
     if (n, transport) == (3, "tcp"):
         env["RINGCOMM_DEBUG"] = "check"  # the fingerprints of grouped and queued collectives too
     with World(n, env=env) as w:
-        for fn in (_ordered, _ring_shift, _all_to_all, _mixed, _reproducible):
+        for fn in (_ordered, _ring_shift, _with_itself, _all_to_all, _mixed, _reproducible):
             w.run(fn, timeout=120)
 
 
