@@ -72,13 +72,9 @@ def assemble(cls, rank, world_size, local_rank, store, owns_store, timeout, toke
                          f"deadlocks (ringcomm.verify shows the cycle)")
     slot_bytes = max(64, buffsize // nslots // 64 * 64)
     watchdog = Watchdog(rank, world_size, store, f"c{k}")
-    joined: list = []  # the roster, once every rank's entry is in: who is known dead
-
-    def peer_gone(peer: int) -> str:
-        return joined[0].why_gone(peer) if joined else ""
     ctx = LinkContext(rank=rank, world_size=world_size, store=store, prefix=f"c{k}", token=token,
                       nslots=nslots, slot_bytes=slot_bytes, abort=threading.Event(), watchdog=watchdog,
-                      spins=spins(world_size), peer_gone=peer_gone)
+                      spins=spins(world_size))
     links = Links(ctx, timeout)
     how = engine()
     slice_bytes = env_number("RINGCOMM_SLICE", DEFAULT_SLICE, int)
@@ -88,8 +84,7 @@ def assemble(cls, rank, world_size, local_rank, store, owns_store, timeout, toke
         try:
             roster.join(store, ctx.prefix, time.monotonic() + timeout if deadline is None else deadline,
                         settings(how, nslots, slot_bytes, slice_bytes))
-            joined.append(roster)
-            links.hosts = [e["host"] for e in roster.entries]
+            links.roster = roster   # who lives where, and who is known dead
             problem = settings_differ(roster.entries, rank)
             if problem:
                 # Every rank read the same entries and raises the same error; the rank that hosts

@@ -69,13 +69,14 @@ class Links:
     """The connections of one communicator, keyed by (peer, "send" | "recv")."""
 
     def __init__(self, ctx: LinkContext, timeout: float):
-        self.ctx, self.timeout = ctx, timeout
+        # The transports' waits for a store key ask peer_gone whether the peer they wait for died.
+        self.ctx, self.timeout = replace(ctx, peer_gone=self.peer_gone), timeout
+        self.roster = None  # every rank's host, pid and meeting socket, once joined (assemble)
         self.forced = os.environ.get("RINGCOMM_TRANSPORT", "").strip().lower() or None
         if self.forced is not None and self.forced not in TRANSPORTS:
             raise ValueError(f"RINGCOMM_TRANSPORT={self.forced!r}: choose one of {', '.join(TRANSPORTS)}")
         self.me = host_id()
-        self.hosts: list[str] = []  # every rank's host_id, once the roster has them (assemble)
-        ctx.store.set(f"{ctx.prefix}/host/{ctx.rank}", self.me.encode())
+        ctx.store.set(f"{ctx.prefix}/host/{ctx.rank}", self.me.encode())   # read until the roster is in
         self.rdma = (self.forced in (None, "ibverbs") and ctx.world_size > 1
                      and _rdma_usable(self.forced, ctx.rank))
         ctx.store.set(f"{ctx.prefix}/rdma/{ctx.rank}", b"1" if self.rdma else b"0")
@@ -124,8 +125,8 @@ class Links:
         if self.forced:
             return self.forced
         if peer not in self.kinds:
-            if self.hosts:  # every rank's host, from the roster: no store needed
-                theirs = self.hosts[peer]
+            if self.roster is not None:  # no store needed
+                theirs = self.roster.entries[peer]["host"]
             else:
                 key = f"{self.ctx.prefix}/host/{peer}"
                 theirs = wait_key(self.ctx, key, time.monotonic() + self.timeout, peer, "the store").decode()
@@ -163,12 +164,15 @@ class Links:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                 f"({direction}{self._purpose()}) over {name}: {e}") from e
 
+    def peer_gone(self, peer: int) -> str:
+        """"" while ``peer`` may live (or before the roster is in); else why it is known dead."""
+        return self.roster.why_gone(peer) if self.roster is not None else ""
+
     def known_dead(self) -> str:
         """" (rank 0 (pid 123) died)" for the ranks known dead, or "": what a lost store
         usually means (the rank that hosted it died), said where the store's loss is reported."""
-        gone = self.ctx.peer_gone
         dead = [f"rank {p} {why}" for p in range(self.ctx.world_size)
-                if p != self.ctx.rank and gone is not None and (why := gone(p))]
+                if p != self.ctx.rank and (why := self.peer_gone(p))]
         return f" ({'; '.join(dead)})" if dead else ""
 
     def _purpose(self) -> str:

@@ -258,9 +258,8 @@ class Registry:
                 try:
                     self.cma = plain_read.setup(self, self.ctl.words, MAGIC)
                 except StoreError as e:  # the store's host died: say who, in which call
-                    dead = [f"rank {p} {why}" for p in self._others() if (why := self.ctx.peer_gone(p))]
                     raise PeerFailure(f"rank {self.rank} (this process) failed probing CMA{self._purpose()} "
-                                      f"over shm: {e}" + (f" ({'; '.join(dead)})" if dead else "")) from None
+                                      f"over shm: {e}{self.links.known_dead()}") from None
                 from ringcomm.transport import shm
                 for path in self.named:  # every peer mapped the control segment before its verdict
                     shm.unlink_tracked(path)

@@ -77,9 +77,9 @@ class LinkContext:
     # Busy polls before a wait starts yielding the core. 0 when this host runs more ranks than
     # it has cores: then the rank we wait for may need our core, and spinning only delays it.
     spins: int = 200
-    # peer_gone(rank) -> "" or why that rank is known dead (its pid gone, its socket refusing):
-    # set once every rank's roster entry is known, so that a wait for a store key a dead peer
-    # will never publish ends at the next patrol instead of at the deadline.
+    # peer_gone(rank) -> "" or why that rank is known dead (its pid gone, its socket refusing),
+    # the core's answer once every rank's roster entry is known: a wait for a store key that a
+    # dead peer will never publish ends at the next patrol instead of at the deadline.
     peer_gone: Any = None
 
 
