@@ -176,15 +176,36 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
         return self._submit("reduce_scatter", [out], run)
 
     def reduce_scatter_single(self, output, input, opts):
-        op = tensor_op(opts.reduceOp, output, "reduce_scatter_tensor")
-        same_kind(input, output, "reduce_scatter_tensor input and output")
-        x, fill = read_view(input, "reduce_scatter_tensor input", reduce=True)
-        y = host_view(output, "reduce_scatter_tensor output", reduce=True)
+        return self._reduce_scatters("reduce_scatter_tensor", [output], [input], opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """One reduce_scatter per (output, input) pair, in one queued call: the functional
+        collectives' reduce_scatter_tensor comes here."""
+        if len(outputs) != len(inputs):
+            raise ValueError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
+        n = self.comm.world_size
+        for o, i in zip(outputs, inputs):
+            if i.numel() != n * o.numel():
+                raise ValueError(f"reduce_scatter_tensor_coalesced: an input has {i.numel()} elements, "
+                                 f"not {n} x its output's {o.numel()}")
+        return self._reduce_scatters("reduce_scatter_tensor_coalesced", outputs, inputs, opts)
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def _reduce_scatters(self, name: str, outputs, inputs, opts):
+        """One queued call of a reduce_scatter per (output, input) pair, in order."""
+        red, calls = _op(opts), []
+        for o, i in zip(outputs, inputs):
+            op = tensor_op(red, o, name)
+            same_kind(i, o, f"{name} input and output")
+            (x, fill), y = read_view(i, f"{name} input", reduce=True), host_view(o, f"{name} output", reduce=True)
+            calls.append((x, fill, y, op))
 
         def run():
-            fill()
-            self.comm.reduce_scatter(x, y, op, **self._rp(op, x))
-        return self._submit("reduce_scatter_tensor", [output], run)
+            for x, fill, y, op in calls:
+                fill()
+                self.comm.reduce_scatter(x, y, op, **self._rp(op, x))
+        return self._submit(name, list(outputs), run)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -250,29 +271,6 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._submit("barrier", [], self.comm.barrier)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        """One reduce_scatter per (output, input) pair, in one queued call: the functional
-        collectives' reduce_scatter_tensor comes here."""
-        if len(outputs) != len(inputs):
-            raise ValueError(f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs")
-        red, n, calls = (opts.reduceOp if opts is not None else dist.ReduceOp.SUM), self.comm.world_size, []
-        for o, i in zip(outputs, inputs):
-            op = tensor_op(red, o, "reduce_scatter_tensor_coalesced")
-            same_kind(i, o, "reduce_scatter_tensor_coalesced input and output")
-            if i.numel() != n * o.numel():
-                raise ValueError(f"reduce_scatter_tensor_coalesced: an input has {i.numel()} elements, "
-                                 f"not {n} x its output's {o.numel()}")
-            (x, fill), y = read_view(i, "reduce_scatter input", reduce=True), host_view(o, "reduce_scatter output",
-                                                                                       reduce=True)
-            calls.append((x, fill, y, op))
-
-        def run():
-            for x, fill, y, op in calls:
-                fill()
-                self.comm.reduce_scatter(x, y, op, **self._rp(op, x))
-        return self._submit("reduce_scatter_tensor_coalesced", list(outputs), run)
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
     # ---- block collectives (ringcomm/torch_collectives.py) -----------------------------------
 
