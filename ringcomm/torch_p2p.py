@@ -191,28 +191,23 @@ class P2PBatch:
                 self._announce(op)
         if not all(op.is_send for op in ops):
             self._read()
-        calls, after, errors, waiting = [], [], [], []
-        for op in ops:
-            if op.is_send:
-                calls.append((True, _call(comm, op)))
-            elif not self._take(op, calls, after, errors):
-                waiting.append(op)
-        _together(comm, calls)
-        for copy in after:
-            copy()
-        deadline = time.monotonic() + comm.timeout
-        while waiting:
-            self._wait(waiting, deadline)
+        pending, errors, deadline = ops, [], None
+        while True:  # a round: the receives whose messages are announced, with the sends in the first
             calls, after, still = [], [], []
-            for op in waiting:  # in issue order: receives alike take their messages in send order
-                if not self._take(op, calls, after, errors):
+            for op in pending:  # in issue order: receives alike take their messages in send order
+                if op.is_send:
+                    calls.append((True, _call(comm, op)))
+                elif not self._take(op, calls, after, errors):
                     still.append(op)
-            if len(still) < len(waiting):
-                deadline = time.monotonic() + comm.timeout
-            waiting = still
             _together(comm, calls)
             for copy in after:
                 copy()
+            if not still:
+                break
+            if deadline is None or len(still) < len(pending):  # the timeout counts from the last progress
+                deadline = time.monotonic() + comm.timeout
+            pending = still
+            self._wait(pending, deadline)
         if errors:
             raise ValueError(errors[0])
 
