@@ -51,6 +51,19 @@ SUPPORTED_DTYPES = tuple(np.dtype(t) for t in (
     np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64))
 SIMULATOR = bool(_numba_config.ENABLE_CUDASIM)
 
+
+def _restore_row_stack() -> None:
+    """numba-cuda up to at least 0.30.4 registers a CUDA overload for ``np.row_stack`` when it compiles its
+    first kernel; NumPy 2.5 removed that name (an alias of ``np.vstack`` since 2.0), so on NumPy 2.5 every
+    kernel compile fails with "module 'numpy' has no attribute 'row_stack'" (seen on an H200 with
+    numpy 2.5.2 and numba-cuda 0.30.4; numba itself guards the same line). Put the alias back, only where it
+    is missing."""
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
+
+
+_restore_row_stack()
+
 SUM, PROD, MIN, MAX, DIV = range(5)                 # opcodes; AVG reduces as SUM, DIV is its postprocess
 _OPCODE = {"sum": SUM, "avg": SUM, "prod": PROD, "min": MIN, "max": MAX}
 INT, UINT, FLOAT, F16, BF16 = range(5)              # how a dtype computes

@@ -11,12 +11,27 @@ import numpy as np
 from cases import BLOCK_COLLECTIVES, compare, make_input, reference, run_block_case
 
 
+def numba_to_device(x: np.ndarray):
+    """numba.cuda.to_device, bfloat16 included: a real GPU copies through the buffer protocol, which has no
+    format for ml_dtypes' bfloat16 ("cannot include dtype 'E' in a buffer"), so copy its bits and view them."""
+    from numba import cuda
+    if x.dtype.name == "bfloat16":
+        return cuda.to_device(x.view(np.uint16)).view(x.dtype)
+    return cuda.to_device(x)
+
+
+def numba_to_host(d) -> np.ndarray:
+    """The way back of numba_to_device."""
+    if d.dtype.name == "bfloat16":
+        return d.view(np.uint16).copy_to_host().view(d.dtype)
+    return d.copy_to_host()
+
+
 def to_device(x: np.ndarray, kind: str):
     if kind == "cupy" and x.dtype.name == "bfloat16":
         kind = "numba"                          # cupy has no bfloat16
     if kind == "numba":
-        from numba import cuda
-        return cuda.to_device(x)
+        return numba_to_device(x)
     if kind == "cupy":
         import cupy
         return cupy.asarray(x)
@@ -30,7 +45,7 @@ def to_device(x: np.ndarray, kind: str):
 def to_host(d, kind: str, dtype) -> np.ndarray:
     """Copy back, after the caller's stream has finished the collective."""
     if getattr(d, "__cuda_ndarray__", False):  # numba (and the simulator): copies on the legacy default stream
-        return d.copy_to_host()
+        return numba_to_host(d)
     if kind == "cupy":
         import cupy
         cupy.cuda.get_current_stream().synchronize()

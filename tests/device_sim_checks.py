@@ -16,6 +16,7 @@ from numba import cuda
 
 from ringcomm.kernels import device as D
 from ringcomm.kernels import host as H
+from device_cases import numba_to_device, numba_to_host
 
 pytestmark = [pytest.mark.skipif(not D.SIMULATOR, reason="run by test_kernels_device.py with NUMBA_ENABLE_CUDASIM=1"),
               pytest.mark.no_ranks]
@@ -70,9 +71,9 @@ def assert_same(got, want, op, what=""):
 
 def run(fn, *arrays, **kw):
     """Copy to the (simulated) device, run, copy back the first array."""
-    dev = [cuda.to_device(a) for a in arrays]
+    dev = [numba_to_device(a) for a in arrays]
     fn(*dev, **kw)
-    return dev[0].copy_to_host()
+    return numba_to_host(dev[0])
 
 
 @pytest.mark.parametrize("dt", DTYPES, ids=ids(DTYPES))

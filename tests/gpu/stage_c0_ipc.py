@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import sys
 import time
@@ -24,7 +25,10 @@ DELAY_NS = 200_000_000
 
 
 def _delay_kernel():
+    import numpy as np
     from numba import cuda
+    if not hasattr(np, "row_stack"):   # numba-cuda <= 0.30.4 on NumPy 2.5 (see ringcomm's kernels/device.py)
+        np.row_stack = np.vstack
 
     @cuda.jit
     def spin(ns, out):
@@ -118,9 +122,17 @@ def main() -> int:
     try:
         for p in procs:
             p.start()
-        lines = []
-        for p in procs:
-            p.join(60)
+        lines, failed = [], []
+        deadline = time.monotonic() + 30
+        alive = list(procs)
+        while alive and not failed and time.monotonic() < deadline:
+            ended = mp.connection.wait([p.sentinel for p in alive], deadline - time.monotonic())
+            alive = [p for p in alive if p.sentinel not in ended]
+            for p in procs:     # a side that failed leaves the other waiting for it: stop there
+                p.join(0)
+            failed = [f"side {r} exited with {p.exitcode}" for r, p in zip("AB", procs) if p.exitcode]
+        if alive and not failed:
+            failed = [f"side {r} still running after 30 s" for r, p in zip("AB", procs) if p in alive]
         for pipe in (a, b):                         # each side's last message is its report
             while pipe.poll():
                 msg = pipe.recv()
@@ -131,9 +143,9 @@ def main() -> int:
             if p.is_alive():
                 p.kill()
         os.unlink("/dev/shm/" + seg)
-    for line in lines:
+    for line in lines + failed:
         print(line)
-    ok = len(lines) == 5 and not any("FAILED" in line for line in lines)
+    ok = len(lines) == 5 and not failed and not any("FAILED" in line for line in lines)
     print("C0", "passed" if ok else f"FAILED ({len(lines)} of 5 checks reported)")
     return 0 if ok else 1
 
