@@ -126,3 +126,20 @@ def p2p_and_world_checks(comm, kind: str) -> list[str]:
         if "host memory and the other on a CUDA device" not in str(e):
             errors.append(f"rank {r}: unclear mixing error: {e}")
     return errors
+
+
+def device_read_choice(comm) -> str | None:
+    """Device buffers where automatic choice would take the host's one-copy "read" steps: the FIFO
+    algorithms run instead, and "read" asked for by name is refused (those steps read host memory)."""
+    from numba import cuda
+    n = comm.world_size
+    x = numba_to_device(np.full(64, comm.rank + 1, np.float32))
+    comm.all_reduce(x)
+    got = numba_to_host(x)
+    if not (got == n * (n + 1) / 2).all():
+        return f"rank {comm.rank}: all_reduce gave {got[:4]}"
+    try:
+        comm.all_reduce(cuda.to_device(np.ones(64, np.float32)), algo="read")
+    except ValueError as e:
+        return None if "comm.alloc" in str(e) else f"rank {comm.rank}: unclear refusal: {e}"
+    return f"rank {comm.rank}: algo='read' on device buffers was accepted"

@@ -73,3 +73,20 @@ def test_no_stream_memory_operations_means_host_synchronisation(rt, monkeypatch)
     with pytest.raises(CudaError, match="cuStreamWaitValue64_v2 failed: not available from the driver"):
         rt.wait_value(1, Flag(np.zeros(1, np.int64), 0), 1)
     assert rt.mem_ops() is False          # the probe fails (here at cudaHostRegister): cuda_ipc polls instead
+
+
+def test_registered_host_memory_gets_its_device_address_from_the_driver(rt, monkeypatch):
+    """cupy's runtime module has no cudaHostGetDevicePointer (cupy-cuda13x 14.2): the address the GPU
+    uses for a registered host page comes from the driver's cuMemHostGetDevicePointer."""
+    import ctypes
+
+    import numpy as np
+
+    class Driver:
+        def cuMemHostGetDevicePointer_v2(self, out, host, flags):
+            out.contents.value = host.value + 0x10000     # a device address that differs from the host's
+            return 0
+    monkeypatch.setattr(ctypes, "CDLL", lambda name, *a, **k: Driver())
+    rt.rt.hostRegister = lambda ptr, n, flags: None
+    page = np.zeros(512, np.int64)
+    assert rt.host_register(page) == page.__array_interface__["data"][0] + 0x10000

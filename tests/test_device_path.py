@@ -38,6 +38,16 @@ def _cases(n, seed):
     return cases
 
 
+@pytest.mark.timeout(120)
+def test_device_buffers_never_take_the_hosts_read_steps():
+    """RINGCOMM_CMA_MIN=1 makes every host call a candidate for the CMA "read" steps, as large calls
+    are on a machine with a core per rank (a 16-core H200 machine: every device call from 4 MiB took
+    "read" and failed on the device executor). Device buffers keep the FIFO algorithms."""
+    from device_cases import device_read_choice
+    with World(2, {**SIM, "RINGCOMM_CMA_MIN": "1"}, timeout=60) as w:
+        assert w.run(device_read_choice, timeout=90) == [None, None]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", [1, 3])
 def test_collectives_on_device_buffers(n):

@@ -184,7 +184,11 @@ class CupyRuntime(Runtime):
     def host_register(self, host):
         ptr, n = host.__array_interface__["data"][0], host.nbytes
         self._call(f"cudaHostRegister({n} bytes)", self.rt.hostRegister, ptr, n, HOST_REGISTER)
-        return self._call("cudaHostGetDevicePointer", self.rt.hostGetDevicePointer, ptr, 0)
+        # cupy's runtime module has no cudaHostGetDevicePointer (cupy-cuda13x 14.2 on an H200): the
+        # driver's own call, in the primary context the runtime made current.
+        dev = ctypes.c_uint64()
+        self._drv("cuMemHostGetDevicePointer_v2", ctypes.pointer(dev), ctypes.c_void_p(ptr), ctypes.c_uint(0))
+        return dev.value
 
     def host_unregister(self, host):
         self._call("cudaHostUnregister", self.rt.hostUnregister, host.__array_interface__["data"][0])
