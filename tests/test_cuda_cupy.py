@@ -30,8 +30,8 @@ def _stub_cupy(calls):
         CUDARuntimeError=CUDARuntimeError, streamNonBlocking=1, eventDisableTiming=2,
         malloc=fail(2, "cudaErrorMemoryAllocation: out of memory"),
         ipcOpenMemHandle=fail(201, "cudaErrorMapBufferObjectFailed: mapping of buffer object failed"),
-        streamQuery=fail(600, "cudaErrorNotReady: device not ready"),
-        eventQuery=lambda e: None,
+        streamQuery=lambda s: 600,          # cupy returns these two calls' status (600: cudaErrorNotReady)
+        eventQuery=lambda e: 0,
         getDevice=fail(710, "cudaErrorAssert: device-side assert triggered"),
         hostRegister=fail(712, "cudaErrorHostMemoryAlreadyRegistered"))
     return types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
@@ -58,8 +58,31 @@ def test_cuda_failures_are_cuda_errors_naming_the_call(rt):
 
 
 def test_not_ready_is_an_answer(rt):
+    """cupy's streamQuery and eventQuery return CUDA's status rather than raise it (cupy-cuda13x 14.2 on
+    an H200: taking every return for "done" let the proxy post slices before the GPU wrote them)."""
     assert rt.stream_idle(5) is False
     assert rt.event_done(7) is True
+    rt.rt.streamQuery = lambda s: 0
+    assert rt.stream_idle(5) is True
+    rt.rt.eventQuery = lambda e: 600
+    assert rt.event_done(7) is False
+
+
+def test_a_query_status_other_than_not_ready_is_a_cuda_error(rt):
+    rt.rt.streamQuery = lambda s: 700
+    with pytest.raises(CudaError, match="cudaStreamQuery failed") as e:
+        rt.stream_idle(5)
+    assert e.value.code == 700
+
+    def raises(status):
+        def query(handle):
+            raise CUDARuntimeError(status, f"status {status}")
+        return query
+    rt.rt.eventQuery = raises(600)                  # a runtime that raises instead: the same answers
+    assert rt.event_done(7) is False
+    rt.rt.eventQuery = raises(719)
+    with pytest.raises(CudaError, match="cudaEventQuery failed: status 719"):
+        rt.event_done(7)
 
 
 def test_no_stream_memory_operations_means_host_synchronisation(rt, monkeypatch):

@@ -18,6 +18,7 @@ from .cuda_rt import CudaError, Flag, Runtime
 CU_STREAM_WAIT_VALUE_GEQ = 0
 CU_STREAM_WRITE_VALUE_DEFAULT = 0          # fences the stream's earlier writes (system scope) first
 HOST_REGISTER = 1 | 2                      # cudaHostRegisterPortable | cudaHostRegisterMapped
+NOT_READY = 600                            # cudaErrorNotReady: the stream or event is still busy
 
 
 class CupyRuntime(Runtime):
@@ -123,13 +124,7 @@ class CupyRuntime(Runtime):
         self._call("cudaStreamDestroy", self.rt.streamDestroy, stream)
 
     def stream_idle(self, stream):
-        try:
-            self.rt.streamQuery(stream)
-            return True
-        except self._error as e:
-            if getattr(e, "status", None) == 600:      # cudaErrorNotReady: still busy
-                return False
-            raise CudaError("cudaStreamQuery", str(e), getattr(e, "status", None)) from None
+        return self._done("cudaStreamQuery", self.rt.streamQuery, stream)
 
     def stream_capturing(self, stream):
         return self._call("cudaStreamIsCapturing", self.rt.streamIsCapturing, stream) != 0
@@ -154,13 +149,29 @@ class CupyRuntime(Runtime):
         self._call("cudaEventRecord", self.rt.eventRecord, event, stream)
 
     def event_done(self, event):
+        return self._done("cudaEventQuery", self.rt.eventQuery, event)
+
+    def _done(self, name, query, handle) -> bool:
+        """cudaStreamQuery / cudaEventQuery: True when the work is done, False while it runs
+        (cudaErrorNotReady, 600). cupy returns these two calls' status instead of raising it, so a
+        status taken for success would let the host read slots the GPU has not written yet."""
         try:
-            self.rt.eventQuery(event)
-            return True
-        except self._error as e:
-            if getattr(e, "status", None) == 600:
-                return False
-            raise CudaError("cudaEventQuery", str(e), getattr(e, "status", None)) from None
+            status = query(handle)
+        except self._error as e:                        # a runtime that raises instead
+            status, text = getattr(e, "status", None), str(e)
+        else:
+            if not status:
+                return True
+            text = self._status_text(status)
+        if status == NOT_READY:
+            return False
+        raise CudaError(name, text, status)
+
+    def _status_text(self, status: int) -> str:
+        try:
+            return str(self._error(status))             # cupy's error names the status: "cudaErrorX: text"
+        except Exception:  # noqa: BLE001 - a stand-in with another signature
+            return f"CUDA error {status}"
 
     def stream_wait_event(self, stream, event):
         self._call("cudaStreamWaitEvent", self.rt.streamWaitEvent, stream, event, 0)
