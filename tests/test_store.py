@@ -301,6 +301,21 @@ def test_arrive_marks_the_last_arrival_and_the_host_waits_for_it():
     s.wait(["closed/all"], timeout=0.05)       # the second arrival of two set it
 
 
+def _until_stopped(pid: int, within: float = 10.0) -> None:
+    """Return once every thread of process ``pid`` is stopped (state T in /proc): a thread still
+    running just after SIGSTOP can answer one more request (a CI run on 2 busy cores saw it)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        if all(s in "Tt" for s in states):
+            return
+        time.sleep(1e-3)            # polling an observable state, with a deadline
+    raise AssertionError(f"process {pid} did not stop within {within} s of SIGSTOP: {states}")
+
+
 @pytest.mark.timeout(30)
 def test_set_add_delete_take_a_timeout_of_their_own():
     """A store that stops answering (its process stopped): set, add and delete end at their own
@@ -320,6 +335,7 @@ def test_set_add_delete_take_a_timeout_of_their_own():
         clients = [client(port, timeout=60) for _ in range(3)]
         clients[0].set("k", b"1", timeout=5)
         os.kill(proc.pid, signal.SIGSTOP)
+        _until_stopped(proc.pid)        # kill() returns before every thread of it has stopped
         calls = [lambda c: c.set("k", b"2", timeout=0.3), lambda c: c.add("n", 1, timeout=0.3),
                  lambda c: c.delete("k", timeout=0.3)]
         for c, call in zip(clients, calls):
