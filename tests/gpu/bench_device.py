@@ -39,13 +39,21 @@ def iterations(size: int) -> tuple[int, int]:
     return (5, 20) if size <= 4 << 20 else (2, 5) if size <= 256 << 20 else (1, 3)
 
 
-def rank_bench(comm, sizes) -> list:
-    """Runs on every rank; returns [(collective, size, seconds per call)]."""
+def rank_bench(comm, sizes, profile: bool = False) -> dict:
+    """Runs on every rank; returns {"rows": [(collective, size, seconds per call, host us per slice)],
+    "mem_ops": whether the GPU orders the FIFOs by stream memory operations (else the host polls),
+    "profile": with ``profile``, rank 0's cProfile of its timed all_reduce loops (top functions)}."""
+    import cProfile
+    import io
+    import pstats
+
     import cupy
+    from ringcomm.transport import cuda_rt
     cupy.cuda.Device(0).use()
     n, r = comm.world_size, comm.rank
     stream = cupy.cuda.Stream(non_blocking=True)
     results = []
+    prof = cProfile.Profile() if profile and r == 0 else None
     with stream:
         for size in sizes:
             count = size // 4 // n * n
@@ -58,16 +66,26 @@ def rank_bench(comm, sizes) -> list:
                     call_collective(comm, coll, x, out)
                 stream.synchronize()
                 comm.barrier()
+                profiled = prof is not None and coll == "all_reduce"
+                if profiled:
+                    prof.enable()
                 t0 = time.perf_counter()
                 for _ in range(timed):
                     call_collective(comm, coll, x, out)
                 host = time.perf_counter() - t0             # the host's own time: it never waits for the GPU
+                if profiled:
+                    prof.disable()
                 stream.synchronize()
                 slices = len(next(reversed(comm._device.executor._plans.values()))[1])
                 results.append((coll, size, (time.perf_counter() - t0) / timed, host / timed / slices * 1e6))
                 del big, part, x, out
                 cupy.get_default_memory_pool().free_all_blocks()
-    return results
+    text = None
+    if prof is not None:
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+        text = buf.getvalue()
+    return {"rows": results, "mem_ops": cuda_rt.get().mem_ops(), "profile": text}
 
 
 def copy_ceiling(size: int) -> float:
@@ -96,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--sizes", nargs="+", default=["1MiB", "64MiB", "1GiB"])
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--profile", action="store_true",
+                    help="print rank 0's cProfile of its timed all_reduce loops (where the host's time per slice goes)")
     args = ap.parse_args(argv)
     why = unavailable()
     if why is not None:
@@ -106,12 +126,16 @@ def main(argv=None) -> int:
     from harness import World
     sizes = [parse_size(s) for s in args.sizes]
     ceiling = {s: copy_ceiling(s) for s in sizes}
-    rows = []
+    rows, profiles = [], []
     print(f"{'ranks':>5} {'collective':<15}{'size':>10}{'time ms':>11}{'algbw GB/s':>12}{'busbw GB/s':>12}"
           f"{'copy GB/s':>11}{'host us/slice':>14}", flush=True)
     for n in args.ranks:
         with World(n, {}, timeout=300) as w:
-            per_rank = w.run(rank_bench, sizes, timeout=600)
+            answers = w.run(rank_bench, sizes, args.profile, timeout=600)
+        per_rank = [a["rows"] for a in answers]
+        profiles.append((n, answers[0]["profile"]))
+        print(f"{n} ranks: stream memory operations {'on' if all(a['mem_ops'] for a in answers) else 'OFF'} "
+              f"(off: the host polls each stream before moving a FIFO counter)", flush=True)
         for i, (coll, size, _, _) in enumerate(per_rank[0]):
             t = max(res[i][2] for res in per_rank)             # the slowest rank sets the pace
             algbw = size / t / 1e9
@@ -121,6 +145,9 @@ def main(argv=None) -> int:
             rows.append(row)
             print(f"{n:>5} {coll:<15}{size:>10}{t * 1e3:>11.3f}{algbw:>12.1f}{row['busbw_GBps']:>12.1f}"
                   f"{ceiling[size]:>11.1f}{host_us:>14.1f}", flush=True)
+    for n, text in profiles:
+        if text:
+            print(f"\nrank 0 of {n}, its timed all_reduce loops, by own time:\n{text}")
     if args.out:
         json.dump({"rows": rows, "note": "ranks share GPU 0; copy = cupy device-to-device memcpy"},
                   open(args.out, "w"), indent=1)

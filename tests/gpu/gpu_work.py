@@ -74,6 +74,8 @@ def lag(comm, count: int, lag_rank: int) -> dict:
     n, r = comm.world_size, comm.rank
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
+        comm.all_reduce(cupy.ones(count, cupy.float32))     # compiles the kernels, connects: not in host_s
+        s.synchronize()
         x = cupy.arange(count, dtype=cupy.float32) % 1024 + r       # exact in float32, summed
         if r == lag_rank:
             _delay(s.ptr, 500_000_000)
