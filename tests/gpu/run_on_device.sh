@@ -10,7 +10,8 @@
 #   env.txt   machine, versions, install            C0.txt  raw CUDA IPC + stream memory ops, no ringcomm
 #   C1.txt    slot protocol under lag (500 ms), cuda_ipc and staged over tcp by the proxy thread
 #                                                    C2.txt  kernels bit-exact on the GPU (sm_90 on an H200)
-#   C3.txt    host us per slice vs GPU time; busbw against a device-to-device copy, 1 MiB .. 1 GiB
+#   C3.txt    host us per slice vs GPU time; busbw against a device-to-device copy, 1 MiB .. 1 GiB;
+#             where the host's time per slice goes (a cProfile, and each CUDA primitive's cost)
 #   C4.txt    a rank killed mid-collective           C5.txt  a subset of the collective matrix, cupy/torch/numba
 #   summary.txt  one line per stage
 # Kernels are compiled once per process (numba keeps them in memory; closures cannot use its disk cache).
@@ -85,9 +86,12 @@ stage C2 100 "${PYTEST[@]}" -n 4 tests/gpu/test_gpu_kernels.py
 stage C1 90  "${PYTEST[@]}" tests/gpu/test_gpu_stages.py -k c1 -s
 stage C5 130 "${PYTEST[@]}" -n 3 tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_torch.py -k "n2-small or buffer_on_another or stream_rule or torch_cuda or batch_isend"
 stage C4 60  "${PYTEST[@]}" tests/gpu/test_gpu_stages.py -k c4 -s
-stage C3 100 bash -c "'$PY' tests/gpu/bench_device.py --ranks 2 4 --sizes 1MiB 16MiB 256MiB 1GiB && \
-                      '$PY' tests/gpu/bench_device.py --ranks 2 --sizes 16MiB --profile && \
-                      NUMBA_ENABLE_CUDASIM=1 '$PY' tests/gpu/host_overhead.py"
+stage C3 100 bash -c "rc=0
+    '$PY' tests/gpu/bench_device.py --ranks 2 4 --sizes 1MiB 16MiB 256MiB 1GiB || rc=1
+    '$PY' tests/gpu/bench_device.py --ranks 2 --sizes 16MiB --profile || rc=1
+    '$PY' tests/gpu/host_costs.py || rc=1
+    NUMBA_ENABLE_CUDASIM=1 '$PY' tests/gpu/host_overhead.py || rc=1
+    exit \$rc"
 
 note "total $(( $(date +%s) - start )) s"
 ! grep -q "FAILED\|TIMED OUT" "$OUT/summary.txt"
