@@ -87,7 +87,7 @@ stage C1 90  "${PYTEST[@]}" tests/gpu/test_gpu_stages.py -k c1 -s
 stage C5 130 "${PYTEST[@]}" -n 3 tests/gpu/test_gpu_collectives.py tests/gpu/test_gpu_torch.py -k "n2-small or buffer_on_another or stream_rule or torch_cuda or batch_isend"
 stage C4 60  "${PYTEST[@]}" tests/gpu/test_gpu_stages.py -k c4 -s
 stage C3 100 bash -c "rc=0
-    '$PY' tests/gpu/bench_device.py --ranks 2 4 --sizes 1MiB 16MiB 256MiB 1GiB || rc=1
+    '$PY' tests/gpu/bench_device.py --ranks 2 4 --sizes 1MiB 16MiB 64MiB 256MiB 1GiB || rc=1
     '$PY' tests/gpu/bench_device.py --ranks 2 --sizes 16MiB --profile || rc=1
     '$PY' tests/gpu/host_costs.py || rc=1
     NUMBA_ENABLE_CUDASIM=1 '$PY' tests/gpu/host_overhead.py || rc=1
