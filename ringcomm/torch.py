@@ -88,6 +88,12 @@ class ProcessGroupRingcomm(dist.ProcessGroup):
     def __init__(self, comm: ringcomm.Communicator, store=None):
         super().__init__(comm.rank, comm.world_size)
         self.comm = comm
+        if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+            # TORCH_DISTRIBUTED_DEBUG=DETAIL: torch wraps gloo and NCCL groups to compare every
+            # collective's fingerprint across ranks first; it cannot wrap a Python ProcessGroup, so
+            # the group does it itself (RINGCOMM_DEBUG=check): a mismatch is a CollectiveMismatch
+            # naming each rank's call, before any data moves.
+            comm._check = True
         self.reproducible = reproducible_from_env()
         # torch's store for this group (None for a group made from a Communicator alone): it
         # carries p2p's any-source announcements, and split_group's groups take a prefix of it.

@@ -546,6 +546,23 @@ def check_group_name(rank, n):
     return pg.group_name
 
 
+def check_detail_debug_compares_calls(rank, n):
+    """TORCH_DISTRIBUTED_DEBUG=DETAIL (torch's debug level when a group is made): mismatched calls
+    across ranks raise, naming every rank's call, as gloo's wrapped groups do, instead of running."""
+    before = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        sub = dist.new_group(list(range(n)))
+    finally:
+        dist.set_debug_level(before)
+    t = _data(rank, (6,), torch.float32)
+    dist.all_reduce(t, group=sub)                               # agreeing calls still run
+    assert torch.equal(t, _expected(n, (6,), torch.float32, RED.SUM))
+    _raises(ValueError, r"the ranks disagree.*all_reduce\(count=4.*all_reduce\(count=5",
+            dist.all_reduce, torch.ones(4 if rank == 0 else 5), group=sub)
+    dist.destroy_process_group(sub)
+
+
 def check_split_group(rank, n):
     """Even and odd ranks split into two groups (one comm.split of the world); each reduces and
     broadcasts on its own, then is destroyed by name, and the world goes on."""
@@ -609,6 +626,11 @@ def check_block_collectives(rank, n):
                          ids=lambda f: f.__name__[6:])
 def test_collective(world, check):
     world.run(check)
+
+
+@pytest.mark.timeout(120)
+def test_torch_distributed_debug_detail_compares_calls(world):
+    world.run(check_detail_debug_compares_calls)
 
 
 @pytest.mark.timeout(120)
