@@ -113,3 +113,14 @@ def test_registered_host_memory_gets_its_device_address_from_the_driver(rt, monk
     rt.rt.hostRegister = lambda ptr, n, flags: None
     page = np.zeros(512, np.int64)
     assert rt.host_register(page) == page.__array_interface__["data"][0] + 0x10000
+
+
+def test_a_stream_whose_capture_was_invalidated_counts_as_capturing(rt):
+    """cupy raises a plain RuntimeError for cudaStreamCaptureStatusInvalidated: the stream is refused
+    as a capturing one (a clear ValueError upstream), not a raw error out of the library."""
+    def invalidated(stream):
+        raise RuntimeError("the stream was capturing, but an error has invalidated the capture sequence")
+    rt.rt.streamIsCapturing = invalidated
+    assert rt.stream_capturing(5) is True
+    rt.rt.streamIsCapturing = lambda stream: False
+    assert rt.stream_capturing(5) is False

@@ -127,7 +127,12 @@ class CupyRuntime(Runtime):
         return self._done("cudaStreamQuery", self.rt.streamQuery, stream)
 
     def stream_capturing(self, stream):
-        return self._call("cudaStreamIsCapturing", self.rt.streamIsCapturing, stream) != 0
+        try:
+            return self._call("cudaStreamIsCapturing", self.rt.streamIsCapturing, stream) != 0
+        except RuntimeError as e:
+            if isinstance(e, CudaError):
+                raise
+            return True     # cupy's plain RuntimeError: "the stream was capturing, but an error has invalidated ..."
 
     def stream_device(self, stream):
         if stream == 0:
