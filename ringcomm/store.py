@@ -66,6 +66,11 @@ class Store:
         """Remove ``key``; return whether it existed."""
         return self._delete(_check_key(key), self._timeout(timeout))
 
+    def has_queues(self) -> bool:
+        """Whether queue_push / queue_pop work here: only over torch's c10d stores that keep queues
+        (torch_support.TorchStore)."""
+        return False
+
     def arrive(self, key: str, n: int, wait: float | None = None) -> None:
         """Count this process at ``key``; the n-th arrival sets ``key/all``. With ``wait``, then wait
         up to that many seconds for all n: what the process hosting the store does, to keep it up

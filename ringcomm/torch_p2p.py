@@ -11,9 +11,11 @@ groups runs the batch's sends before its receives (each in issue order, so messa
 pair still match in order): enough whenever the sends fit the FIFO.
 
 Tags and receives from any source match as gloo's do: by (source, tag), in send order within one
-(source, tag). Every send first announces itself in the group's store -- its number in the
-destination's count of announced messages, then its source, tag and size (two store calls). The
-receiver reads the announcements in order into a queue per source: per source, announcement order
+(source, tag). Every send first announces itself in the group's store: its source, tag and size,
+pushed on the destination's queue of announcements (c10d's queue_push: one store call, which does
+not wait for an answer; over a store without queues, FileStore, two: its number in the destination's
+count of announced messages, then the announcement under that number). The receiver reads the
+announcements in order (one queue_pop each) into a queue per source: per source, announcement order
 is send order, which is also the order the connection delivers in. A receive takes the oldest
 message of its source (or, from any source, of all sources) with its tag. The messages queued
 before that one, of other tags, must be received first (one connection, one order): each goes into
@@ -125,6 +127,7 @@ class P2PBatch:
         # (source, kind) the announced messages not yet received, in send order; per (source, kind, tag)
         # the messages received into a stash buffer that no receive has taken yet, in send order.
         self._next, self._queued, self._stash = 1, {}, {}
+        self._queues = store is not None and store.has_queues()    # alike on every rank: one store
 
     def send(self, view, dst: int, outputs: list, cuda=None, tag: int = 0) -> DeferredWork:
         """``cuda``: None for host memory, else (device, event recorded on the caller's current stream)."""
@@ -212,20 +215,34 @@ class P2PBatch:
             raise ValueError(errors[0])
 
     def _announce(self, op) -> None:
+        text = f"{self._pg.comm.rank} {op.tag} {_nbytes(op.view)} {_kind(op)}"
+        if self._queues:
+            self._store.queue_push(f"anysrc/{op.peer}", text)
+            return
         k = self._store.add(f"anysrc/{op.peer}/count", 1)
-        self._store.set(f"anysrc/{op.peer}/{k}", f"{self._pg.comm.rank} {op.tag} {_nbytes(op.view)} {_kind(op)}")
+        self._store.set(f"anysrc/{op.peer}/{k}", text)
+
+    def _next_announcement(self) -> bytes | None:
+        """The next announcement made to this rank, taken from the store; None if there is none yet."""
+        me = self._pg.comm.rank
+        if self._queues:
+            return self._store.queue_pop(f"anysrc/{me}")
+        key = f"anysrc/{me}/{self._next}"
+        try:
+            value = self._store.get(key, timeout=0)
+        except StoreTimeout:
+            return None
+        self._store.delete(key)
+        return value
 
     def _read(self, most: int | None = None) -> int:
         """Queue the announcements made so far (at most ``most``), in order, without waiting; return
         how many."""
-        me, n = self._pg.comm.rank, 0
+        n = 0
         while most is None or n < most:
-            key = f"anysrc/{me}/{self._next}"
-            try:
-                value = self._store.get(key, timeout=0)
-            except StoreTimeout:
+            value = self._next_announcement()
+            if value is None:
                 return n
-            self._store.delete(key)
             src, tag, nbytes, kind = value.decode().split()
             msg = _Msg(self._next, int(src), int(tag), int(nbytes), kind)
             self._queued.setdefault((msg.src, kind), deque()).append(msg)
@@ -244,8 +261,9 @@ class P2PBatch:
                 more = f" (and {len(waiting) - 1} more receives)" if len(waiting) > 1 else ""
                 raise CollectiveTimeout(
                     f"rank {comm.rank} (this process): recv from {src} with tag {op.tag}{more} timed out after "
-                    f"{comm.timeout:g} s waiting for a matching send to be announced (store key "
-                    f"anysrc/{comm.rank}/{self._next}); was it sent, with that tag and a tensor of that kind?")
+                    f"{comm.timeout:g} s waiting for a matching send to be announced (announcement "
+                    f"{self._next} to rank {comm.rank} in the store); was it sent, with that tag and a "
+                    f"tensor of that kind?")
             time.sleep(min(pause, left))
             pause = min(_POLL_GROWTH * pause, _POLL_MAX_S)
 

@@ -137,6 +137,13 @@ def same_kind(a, b, what: str) -> None:
         raise TypeError(f"{what}: dtypes differ ({a.dtype} and {b.dtype}); the ringcomm backend does not convert")
 
 
+_QUEUE_EMPTY = getattr(dist, "QueueEmptyError", None)     # torch >= 2.6: what queue_pop raises when empty
+
+
+def _reraise(e: Exception):
+    raise e
+
+
 class TorchStore(Store):
     """ringcomm's Store interface over torch's c10d Store (the one init_process_group hands a backend)."""
 
@@ -166,6 +173,29 @@ class TorchStore(Store):
 
     def _add(self, key, amount, timeout):
         return int(self._call("add", [key], self._store.add, key, amount))
+
+    def has_queues(self) -> bool:
+        """Whether the c10d store keeps queues (queue_push / queue_pop: TCPStore and HashStore do,
+        FileStore does not)."""
+        if _QUEUE_EMPTY is None:
+            return False
+        try:
+            self._store.queue_len("ringcomm/queue-probe")
+        except (NotImplementedError, AttributeError):
+            return False
+        return True
+
+    def queue_push(self, key: str, value: bytes | str) -> None:
+        self._call("queue_push", [key], self._store.queue_push, key, value)
+
+    def queue_pop(self, key: str) -> bytes | None:
+        """The queue's oldest value, taken; None (at once) if it is empty."""
+        try:
+            return bytes(self._store.queue_pop(key, block=False))
+        except _QUEUE_EMPTY:
+            return None
+        except (dist.DistStoreError, RuntimeError) as e:
+            return self._call("queue_pop", [key], _reraise, e)
 
     def _delete(self, key, timeout):
         return bool(self._call("delete", [key], self._store.delete_key, key))

@@ -410,6 +410,7 @@ def check_p2p_irecv_before_isend(rank, n, size):
 def check_recv_from_any_source(rank, n):
     """Rank 0 takes two messages from every other rank without naming the source (recv and
     irecv alternating), with one directed recv from rank n - 1 in between; the others send."""
+    assert dist.group.WORLD._p2p._queues        # a TCPStore: the announcements go through its queues
     if rank != 0:
         for k in range(2 if rank != n - 1 else 3):
             dist.send(torch.full((4,), 10.0 * rank + k), 0)
@@ -769,6 +770,31 @@ def test_torch_store_adapter():
     assert s.delete("a") and not s.delete("a")
     with pytest.raises(StoreTimeout, match="'missing'"):
         s.get("missing", timeout=0)  # c10d reads 0 as "forever": the adapter must not pass it
+
+
+def test_torch_store_queues_where_the_c10d_store_keeps_them(tmp_path):
+    """p2p announcements go through c10d's queues (one store call each way) where the store keeps them
+    (TCPStore, HashStore), and through a counter and a key per message where it does not (FileStore)."""
+    from ringcomm.torch_p2p import P2PBatch
+    from ringcomm.torch_support import TorchStore
+    s = TorchStore(dist.PrefixStore("p/", dist.HashStore()), timeout=5)
+    assert s.has_queues()
+    assert s.queue_pop("q") is None                             # empty: None at once
+    s.queue_push("q", "1 0 8 h")
+    s.queue_push("q", b"1 3 4 h")
+    assert [s.queue_pop("q"), s.queue_pop("q"), s.queue_pop("q")] == [b"1 0 8 h", b"1 3 4 h", None]
+    f = TorchStore(dist.PrefixStore("p/", dist.FileStore(str(tmp_path / "store"), 1)), timeout=5)
+    assert not f.has_queues()
+
+    class Group:
+        class comm:
+            rank = 1
+    for store, queues in ((s, True), (f, False)):
+        batch = P2PBatch(Group(), store)
+        assert batch._queues is queues
+        op = type("Op", (), {"peer": 0, "tag": 5, "view": np.zeros(2, np.float32), "cuda": None})()
+        batch._announce(op)
+        assert (store.queue_pop("anysrc/0") if queues else store.get("anysrc/0/1")) == b"1 5 8 h"
 
 
 def test_import_ringcomm_does_not_import_torch():
