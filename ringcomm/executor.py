@@ -99,6 +99,8 @@ class Executor:
             self.native, self._native_off = self._native_off, None
         else:
             raise ValueError(f"engine must be 'native' or 'python', got {name!r}")
+        # The reference engine's plans are cut by the engine setting (see _plan): made afresh.
+        self._plans = {key: entry for key, entry in self._plans.items() if key[-1]}
 
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:
@@ -159,11 +161,14 @@ class Executor:
     def _plan(self, sched: Schedule, call: Call, native: bool = False):
         """Every slice of the call, in order: where it reads and writes and which connections it
         uses. Built once per (schedule, item size, count, blocks, engine), so a repeated call is one tight
-        loop. The native engine cuts slices of slice_bytes (cache-sized, see README), the reference
-        engine fills whole slots (each slice costs it ~5 us of Python)."""
+        loop. With the native engine on, every call is cut in slices of slice_bytes (cache-sized, see
+        README), whichever engine runs it: a rank whose links are all shm runs a call natively while its
+        neighbour with a tcp link runs it in Python, and the two must cut the same slices (the settings
+        every rank compares at init say the cut). With RINGCOMM_ENGINE=python a slice fills a whole slot
+        (each slice costs the reference engine ~5 us of Python)."""
         srcs, dsts = sched.peers()
         self.links.prepare(srcs, dsts)
-        slot_elems = (self.slice_bytes if native else self.slot_bytes) // call.inp.itemsize
+        slot_elems = (self.slice_bytes if self.native is not None else self.slot_bytes) // call.inp.itemsize
         chunk_elems = slot_elems * max(1, self.nslots // 2)
         round_elems = chunk_elems * (sched.nchunks if sched.in_layout == SPLIT else 1)
         plan = []

@@ -19,6 +19,7 @@ import jobs
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts.py")
 DEVICE_SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "two_hosts_device.py")
 SHRINK = os.path.join(os.path.dirname(__file__), "scripts", "shrink_two_hosts.py")
+MIXED = os.path.join(os.path.dirname(__file__), "scripts", "mixed_links.py")
 SUBNET = "10.250.{}.{}"  # addresses live only on this test's own veth pair
 
 
@@ -106,16 +107,30 @@ def test_shrink_across_hosts_after_rank_0_died(two_hosts):
         print(line.group(0))
 
 
-def _two_node_job(two_hosts, script, tag, port, grace, _first=None, **env_extra):
-    """``ringcomm-run -n 2`` of ``script`` on each of the two hosts (node 0 in host A, whose address
-    is the store's), 64 KiB FIFOs; waits up to 90 s and kills what is left. (procs, their output)."""
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_ranks_with_only_shm_links_and_ranks_with_tcp_cut_alike(two_hosts):
+    """3 ranks a host, default FIFO and slice: a rank whose ring or tree neighbours are all on its host
+    runs a call in the native engine, its neighbour with a tcp link in the reference engine. Both cut
+    the call in the same slices (they did not: "expected 524288 bytes for slice 2 ... but got 262144")."""
+    procs, text = _two_node_job(two_hosts, MIXED, "mix", "29520", "5", per_node=3, buffsize=None,
+                                RINGCOMM_TIMEOUT="30")
+    assert [p.returncode for p in procs] == [0, 0], text
+    assert text.count("OK") == 6, text
+
+
+def _two_node_job(two_hosts, script, tag, port, grace, _first=None, per_node=2, buffsize="65536", **env_extra):
+    """``ringcomm-run -n per_node`` of ``script`` on each of the two hosts (node 0 in host A, whose
+    address is the store's), FIFOs of ``buffsize`` bytes (None: the default); waits up to 90 s and
+    kills what is left. (procs, their output)."""
     (ns_a, _, addr_a), (ns_b, _, _) = two_hosts
     token = secrets.token_hex(8)
     procs = []
+    fifo = {} if buffsize is None else {"RINGCOMM_BUFFSIZE": buffsize}
     for node, ns in enumerate((ns_a, ns_b)):
         env = dict(os.environ, RINGCOMM_TOKEN=token, RINGCOMM_JOB_ID=f"{tag}{node}{token[:6]}",
-                   RINGCOMM_BUFFSIZE="65536", **env_extra, **((_first or {}) if node == 0 else {}))
-        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", "2", "--nnodes", "2",
+                   **fifo, **env_extra, **((_first or {}) if node == 0 else {}))
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "ringcomm.launch", "-n", str(per_node), "--nnodes", "2",
                "--node-rank", str(node), "--master-addr", addr_a, "--master-port", port, "--grace", grace, script]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
