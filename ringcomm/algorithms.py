@@ -28,7 +28,7 @@ from .catalogue import COLLECTIVES, ROOTED, check_collective as _check_collectiv
 from .schedule.faults import MALFORMED, Failure
 from .schedule.simulate import ScheduleError, check
 from .schedule.step import Schedule
-from .schedule.verify import Report, fifo_shapes, verify_schedules
+from .schedule.verify import NATIVE_SLICE, Report, fifo_shapes, verify_schedules
 
 SIZES = tuple(range(1, 9))
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -85,7 +85,8 @@ def schedules(collective: str, algo: str, n: int, root: int | None = None) -> li
 
 
 def verify(collective: str, algo, world_size: int, count: int, *, root: int | None = None,
-           itemsize: int = 4, buffsize: int = 4 << 20, nslots: int = 8):
+           itemsize: int = 4, buffsize: int = 4 << 20, nslots: int = 8,
+           slice_bytes: int | None = NATIVE_SLICE):
     """Prove what can be proved about an algorithm without running it, and return a Report.
 
     ``algo`` is a registered name (``algorithms(collective)``), a builder (``builder(rank, n)``,
@@ -100,7 +101,9 @@ def verify(collective: str, algo, world_size: int, count: int, *, root: int | No
       unmatched send or receive, deadlock (also one at every FIFO size, with its shortest trace),
       read-after-write, data race, clobbered buffer, post-op, malformed schedule;
     - the reduction order of every output element (for ``count`` elements of ``itemsize`` bytes
-      cut by a FIFO of ``buffsize`` bytes in ``nslots`` slots, as the executor would cut them),
+      cut by a FIFO of ``buffsize`` bytes in ``nslots`` slots into slices of ``slice_bytes``
+      (RINGCOMM_SLICE; ``None`` for RINGCOMM_ENGINE=python, whose slices fill whole slots), as the
+      executor would cut them),
       whether all ranks share it (naming the ranks that do not) and whether it depends on the
       message size or slicing;
     - deadlock, with the shortest counterexample, for the FIFO shapes of
@@ -128,7 +131,7 @@ def verify(collective: str, algo, world_size: int, count: int, *, root: int | No
                       failures=[Failure(MALFORMED, None, None, None, failure)],
                       deadlocks={s: f"not checked: {failure}" for s in shapes})
     return verify_schedules(collective, scheds, count, root=root, algo=name, itemsize=itemsize,
-                            buffsize=buffsize, nslots=nslots)
+                            buffsize=buffsize, nslots=nslots, slice_bytes=slice_bytes)
 
 
 def _schedules_of(collective, algo, n, root):

@@ -182,3 +182,42 @@ def test_chunk_span_cuts_each_round_into_even_contiguous_chunks():
         c = rnd.randrange(nchunks)
         assert chunk_span("block", nchunks, c, a, b, m) == (c * m + a, b - a)
         assert chunk_span("own", nchunks, c, a, b, m) == (a, b - a)
+
+
+def _order_ranges(comm, count: int):
+    """all_reduce of 2**24, 1, 1 (float32) on ranks 0, 1, 2: an element is 16777218 exactly when
+    x0 was added last, (x0 + (x2 + x1)); its ranges on rank 0, and the engine that ran the call."""
+    import numpy as np
+    x = np.full(count, [2.0 ** 24, 1.0, 1.0][comm.rank], np.float32)
+    comm.all_reduce(x, algo="ring")
+    hit = np.flatnonzero(x == np.float32(16777218)).tolist()
+    ranges = []
+    for i in hit:
+        if ranges and ranges[-1][1] == i:
+            ranges[-1][1] = i + 1
+        else:
+            ranges.append([i, i + 1])
+    return [tuple(r) for r in ranges], comm._executor.engine
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_the_orders_verify_reports_are_the_orders_the_executor_computes(engine):
+    """verify() cuts the call as the executor does, engine included: the native engine's slices
+    (RINGCOMM_SLICE, 256 KiB) or, with RINGCOMM_ENGINE=python, whole slots. 1M floats cross several
+    rounds of the native cut (one round of whole slots), each round's chunks in the three orders.
+    (verify cut whole slots for both: 1 range reported, 2 computed by the native engine.)"""
+    from harness import World
+    count = 1_000_000
+    with World(3, {"RINGCOMM_ENGINE": engine}, timeout=60) as w:
+        (ranges, ran), *_ = w.run(_order_ranges, count, timeout=90)
+    assert ran == engine
+    rep = ringcomm.verify("all_reduce", "ring", 3, count, slice_bytes=None if engine == "python" else 256 << 10)
+    want = [(a, b) for a, b, order in rep.orders if order.startswith("(x0 + (x2 + x1))")]
+    assert ranges == want and len(want) == (1 if engine == "python" else 2), (ranges, rep.orders)
+
+
+def test_verify_slices_as_the_native_engine_by_default():
+    from ringcomm.assemble import DEFAULT_SLICE
+    from ringcomm.schedule.verify import NATIVE_SLICE
+    assert NATIVE_SLICE == DEFAULT_SLICE

@@ -32,6 +32,8 @@ from .spec import SPECS, layout_failures, spec
 from .step import OWN, SPLIT, Schedule, chunk_span
 from .trace import DeadlockError, TracingSim
 
+NATIVE_SLICE = 256 * 1024   # RINGCOMM_SLICE's default (ringcomm.assemble.DEFAULT_SLICE; a test holds them equal)
+
 REDUCING = tuple(c for c, sp in SPECS.items() if sp.reduces)  # orders are reported for these
 BIG = UNBOUNDED                               # slots: a FIFO that never fills
 NOT_CHECKED = "not checked"
@@ -127,10 +129,11 @@ class Report:
 
 def verify_schedules(collective: str, scheds: list[Schedule], count: int, *, root=None, algo="?",
                      itemsize: int = 4, buffsize: int = 4 << 20, nslots: int = 8,
-                     fifos=None) -> Report:
+                     slice_bytes: int | None = NATIVE_SLICE, fifos=None) -> Report:
     """Verify one rank's Schedule per rank (index = rank). ``nslots`` is RINGCOMM_NSLOTS: it sets
-    the executor's cut of ``count`` elements (for the orders) and the FIFO shapes checked
-    (fifo_shapes(nslots), unless ``fifos`` lists other (nslots, slices) pairs)."""
+    the executor's cut of ``count`` elements (for the orders, with ``slice_bytes``, RINGCOMM_SLICE:
+    None for RINGCOMM_ENGINE=python) and the FIFO shapes checked (fifo_shapes(nslots), unless
+    ``fifos`` lists other (nslots, slices) pairs)."""
     if not isinstance(count, int) or count < 0:
         raise ValueError(f"count must be an int >= 0, got {count!r}")
     shapes = fifo_shapes(nslots) if fifos is None else tuple(fifos)
@@ -158,7 +161,7 @@ def verify_schedules(collective: str, scheds: list[Schedule], count: int, *, roo
         if f is not None and not everywhere:
             rep.failures.append(dataclasses.replace(f, fifo=shape))
     if not rep.postcondition and collective in REDUCING:
-        _orders(rep, scheds, root, itemsize, buffsize, nslots)
+        _orders(rep, scheds, root, itemsize, buffsize, nslots, slice_bytes)
     return rep
 
 
@@ -218,12 +221,12 @@ def _cells(collective, scheds, root):
     return cells
 
 
-def _orders(rep, scheds, root, itemsize, buffsize, nslots):
+def _orders(rep, scheds, root, itemsize, buffsize, nslots, slice_bytes):
     cells = _cells(rep.collective, scheds, root)
     n, s0 = len(scheds), scheds[0]
     me = root if rep.collective == "reduce" else 0
     mine = {c: v for (r, c), v in cells.items() if r == me}
-    rep.orders = _ranges(mine, s0, rep.count, itemsize, buffsize, nslots)
+    rep.orders = _ranges(mine, s0, rep.count, itemsize, buffsize, nslots, slice_bytes)
     if rep.collective == "all_reduce":
         for c in range(s0.nchunks):
             exact = {canonical(cells[r, c].order) for r in range(n)}
@@ -238,13 +241,17 @@ def _orders(rep, scheds, root, itemsize, buffsize, nslots):
         distinct.setdefault(r, {}).setdefault(canonical(v.order), c)
     rep.size_independent = all(len(d) == 1 for d in distinct.values())
     if not rep.size_independent:
-        rep.witness = _witness(mine, s0, itemsize, buffsize, nslots)
+        rep.witness = _witness(mine, s0, itemsize, buffsize, nslots, slice_bytes)
 
 
-def element_chunks(s: Schedule, count: int, itemsize: int, buffsize: int, nslots: int):
-    """[(start, stop, chunk)] of the output range, as the executor cuts it (init.py's slot size)."""
+def element_chunks(s: Schedule, count: int, itemsize: int, buffsize: int, nslots: int,
+                   slice_bytes: int | None = NATIVE_SLICE):
+    """[(start, stop, chunk)] of the output range, as the executor cuts it: slices of
+    ``slice_bytes`` (RINGCOMM_SLICE; the native engine's setting) or, with ``slice_bytes=None``
+    (RINGCOMM_ENGINE=python), whole slots of the FIFO's size (assemble.py's slot size)."""
     slot_bytes = max(64, buffsize // nslots // 64 * 64)
-    chunk_elems = max(1, slot_bytes // itemsize) * max(1, nslots // 2)
+    cut = min(slice_bytes or slot_bytes, slot_bytes)
+    chunk_elems = max(1, cut // itemsize) * max(1, nslots // 2)
     round_elems = chunk_elems * (s.nchunks if s.in_layout == SPLIT else 1)
     spans = []
     for a in range(0, count, round_elems):
@@ -258,9 +265,9 @@ def element_chunks(s: Schedule, count: int, itemsize: int, buffsize: int, nslots
     return sorted(spans)
 
 
-def _ranges(mine: dict, s: Schedule, count, itemsize, buffsize, nslots):
+def _ranges(mine: dict, s: Schedule, count, itemsize, buffsize, nslots, slice_bytes):
     out = []
-    for a, b, c in element_chunks(s, count, itemsize, buffsize, nslots):
+    for a, b, c in element_chunks(s, count, itemsize, buffsize, nslots, slice_bytes):
         order = _show(mine[c]) if c in mine else "-"
         if out and out[-1][1] == a and out[-1][2] == order:
             out[-1] = (out[-1][0], b, order)
@@ -273,12 +280,12 @@ def _show(v: Sym) -> str:
     return canonical(v.order) + (" then post-op" if v.post else "")
 
 
-def _witness(mine, s, itemsize, buffsize, nslots) -> str:
+def _witness(mine, s, itemsize, buffsize, nslots, slice_bytes) -> str:
     """An element whose order differs between two message sizes: element e of a small count."""
     for e in range(1, 64):
         seen = {}
         for count in range(e + 1, e + 2 + 4 * s.nchunks):
-            for a, b, c in element_chunks(s, count, itemsize, buffsize, nslots):
+            for a, b, c in element_chunks(s, count, itemsize, buffsize, nslots, slice_bytes):
                 if a <= e < b and c in mine:
                     seen.setdefault(canonical(mine[c].order), (count, c))
         if len(seen) > 1:
