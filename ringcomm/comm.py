@@ -17,7 +17,7 @@ from .executor import Call
 from .group import Group
 from .known_calls import KnownCalls
 from .ops import SUM, as_op
-from .registered import refuse, settle
+from .registered import refuse, settle, why_read
 from .schedule.onecopy import ALGO as READ
 from .schedule import p2p
 from .progress import Progress, asyncable
@@ -369,7 +369,9 @@ class Communicator:
             # comm.alloc or a CMA candidate, or "read" asked for
             if self._registry is not None:
                 self._registry.doing = (collective, self._seq + 1)  # named if settle's probe fails
-            picked = settle(self._registry, collective, picked, auto, x, y, nbytes)
+            chosen, picked = picked, settle(self._registry, collective, picked, auto, x, y, nbytes)
+            if picked != chosen and auto:
+                model.log_override(collective, n, nbytes, chosen, picked, why_read(self._registry, x, y, picked))
         algo = picked
         sched = build_schedule(collective, algo, self.rank, self.world_size, root)
         if sched.registered and algo != READ and self.world_size > 1 and not (

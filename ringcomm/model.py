@@ -178,6 +178,21 @@ def choose(collective: str, world_size: int, nbytes: int, params=None) -> str:
     return algo
 
 
+def log_override(collective: str, world_size: int, nbytes: int, chosen: str, ran: str, why: str) -> None:
+    """RINGCOMM_DEBUG=info: automatic choice ran ``ran``, not the model's ``chosen``, and why (once
+    per collective, world size and power-of-two size band)."""
+    if "info" not in os.environ.get("RINGCOMM_DEBUG", "").lower().split(","):
+        return
+    size_class = max(0, int(nbytes) - 1).bit_length()
+    key = (collective, world_size, size_class, "ran", ran)
+    if key in _logged:
+        return
+    _logged.add(key)
+    lo = 1 << (size_class - 1) if size_class else 0
+    print(f"ringcomm INFO: {collective} on {world_size} ranks, {lo + 1 if lo else 0}..{1 << size_class} B: "
+          f"runs {ran}, not the model's {chosen}: {why}", file=sys.stderr, flush=True)
+
+
 MODEL_MAX_RANKS = 64  # above this, building every rank's schedule takes too long for a first call
 
 

@@ -105,6 +105,17 @@ def settle(reg, collective: str, algo: str, auto: bool, x, y, nbytes: int) -> st
     return algo
 
 
+def why_read(reg, x, y, ran: str) -> str:
+    """Why automatic choice took (or, asked for by RINGCOMM_ALGO, left) the one-copy read steps, for
+    RINGCOMM_DEBUG=info."""
+    if ran != ALGO:
+        return f"the peers cannot read these buffers ({ALGO!r} needs comm.alloc buffers, or plain ones read by CMA)"
+    if reg is not None and reg.holds(x, y):
+        return "buf and out come from comm.alloc (the peers read them in place)"
+    return ("plain buffers every peer reads by CMA, at this size (plain_read.wanted: RINGCOMM_CMA_MIN, "
+            "or a core per rank and the measured crossover)")
+
+
 def refuse(collective: str, algo: str) -> None:
     """The ValueError for an algorithm with read steps on buffers that are not registered."""
     raise ValueError(f"{collective} algo={algo!r} reads the peers' buffers directly: buf and out "

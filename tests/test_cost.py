@@ -163,3 +163,31 @@ def test_automatic_choice_uses_the_model_and_says_why(monkeypatch, capsys):
     with ringcomm.init(0, 1) as comm:                           # a collective call goes through it
         comm.all_reduce(__import__("numpy").ones(300, "float32"))
     assert "all_reduce on 1 ranks, 1025..2048 B: chose ring" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_debug_info_says_when_the_read_steps_replace_the_models_choice(tmp_path):
+    """With plain buffers read by CMA (RINGCOMM_CMA_MIN=1: every size), automatic choice runs "read"
+    whatever the model chose: RINGCOMM_DEBUG=info says so, once, with the reason."""
+    import os
+    import subprocess
+    import sys
+    from ringcomm.transport import cma
+    if not cma.available():
+        pytest.skip("cross-memory attach (process_vm_readv) is not available here")
+    script = tmp_path / "auto.py"
+    script.write_text("import numpy as np, ringcomm\n"
+                      "with ringcomm.init() as comm:\n"
+                      "    x = np.ones(1 << 16, np.float32)\n"
+                      "    for _ in range(3):\n"
+                      "        comm.all_reduce(x)\n"
+                      "    assert (x == 8).all(), x[:4]\n")
+    env = dict(os.environ, RINGCOMM_DEBUG="info", RINGCOMM_CMA_MIN="1", RINGCOMM_TIMEOUT="30")
+    r = subprocess.run([sys.executable, "-m", "ringcomm.launch", "-n", "2", str(script)], env=env,
+                       capture_output=True, text=True, timeout=100)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    for rank in (0, 1):
+        said = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] ringcomm INFO: all_reduce")
+                and "runs read, not the model's" in line]
+        assert len(said) == 1 and "reads by CMA" in said[0], out
