@@ -45,6 +45,8 @@ def test_ipc_where_it_works_staged_where_it_cannot_and_info_says_which():
         assert 2 in res[2]["modes"].values() and "did not open here" in res[2]["log"], res[2]
         assert "cudaErrorMapBufferObjectFailed" in res[2]["log"]
         assert "IPC (device memory" in res[0]["log"]
+        for r in range(3):                  # each rank names its send links too, not only its receives
+            assert f"rank {r} -> rank {(r + 1) % 3}: cuda_ipc" in res[r]["log"], res[r]["log"]
         reports = w.run(work.close_and_report)
         assert all(not r["violations"] and r["caller_idle"] for r in reports), reports
 
@@ -108,6 +110,20 @@ def test_a_sticky_error_breaks_the_communicator_and_cleanup_does_not_hide_it():
         assert res[1]["type"] in ("PeerFailure", "CollectiveTimeout"), res
         reports = w.run(work.close_and_report, timeout=60)
         assert all(r["close_s"] < 8.0 for r in reports), reports
+
+
+@pytest.mark.timeout(120)
+def test_a_sticky_error_while_connecting_is_reported_not_the_cleanup_it_fails():
+    """A sticky error at the first cudaHostRegister of a send connection fails the cleanup's
+    cudaFree too: the error is still the first call's, with what it was doing."""
+    with World(2, SIM, timeout=30) as w:
+        w.run(work.install)
+        w.run(work.inject, "cudaHostRegister", "cudaErrorIllegalAddress: an illegal memory access", True, ranks=[0])
+        res = w.run(work.one_call, timeout=60)
+        assert res[0]["type"] == "DeviceError", res
+        assert "cudaHostRegister(4096 bytes) (connecting to send to rank 1) failed: cudaErrorIllegalAddress" \
+            in res[0]["error"], res
+        assert "cudaFree" not in res[0]["error"], res
 
 
 @pytest.mark.timeout(60)

@@ -46,11 +46,20 @@ from .shm import CLOSED, HDR, RECEIVER_PID, SEND_SLEEPS, SIZES, ShmRecv, ShmSend
 CLOSE_GRACE = 5.0       # seconds close() lets our stream drain before it leaks what the stream may still use
 MODE, FILLED, FREED = 384, 392, 400     # int64 words of the segment header, each on a cache line of its own
 IPC, STAGED = 1, 2
+_PATH = {IPC: "IPC (device memory, peer to peer)", STAGED: "STAGED through pinned host memory"}
 MAX_SLOTS = MODE - SIZES
 
 
 def _env_on(name: str) -> bool:
     return os.environ.get(name, "") not in ("", "0")
+
+
+def _quietly(fn, *args) -> None:
+    """A cleanup on an error path: its own failure must not replace the error being raised."""
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        pass
 
 
 def _info(msg: str) -> None:
@@ -183,6 +192,7 @@ class CudaIpcSend(_DeviceLink, ShmSend):
                 self._wait(lambda: words[MODE] != 0, deadline, "the slot placement (ipc or staged) from",
                            MODE, SEND_SLEEPS)      # the receiver wakes MODE's futex when it writes it
             self._map_slots(int(words[MODE]))
+            _info(f"rank {self.ctx.rank} -> rank {self.peer}: cuda_ipc {_PATH[int(words[MODE])]} (the receiver's choice)")
         k, self.deadline = self.posted, deadline
         super().acquire(deadline)                       # the host counters say slot k % nslots is free ...
         if k >= self.nslots and not self.host_sync:     # ... and the stream waits for the reader's kernels
@@ -287,17 +297,20 @@ class CudaIpcTransport(ShmTransport):
                     f"the {rt.name} runtime has no CUDA IPC"
             conn = CudaIpcSend(ctx, peer, seg, rt, base)
         except BaseException as e:
-            # Tell the receiver at once (it would otherwise wait for the key until its timeout).
-            ctx.store.set(self._key(ctx.rank, peer), json.dumps({"failed": f"{type(e).__name__}: {e}"}).encode())
+            # Tell the receiver at once (it would otherwise wait for the key until its timeout); a
+            # cleanup that fails too (a sticky CUDA error fails cudaFree as well) never hides e.
+            _quietly(ctx.store.set, self._key(ctx.rank, peer),
+                     json.dumps({"failed": f"{type(e).__name__}: {e}"}).encode())
             if base:
-                rt.free(base)
-            seg.unlink()
-            seg.close()
+                _quietly(rt.free, base)
+            _quietly(seg.unlink)
+            _quietly(seg.close)
             if isinstance(e, CudaError):
                 raise CudaError(f"{e.call} (connecting to send to rank {peer})", e.error, e.code) from None
             raise
         if not published["mem"]:            # the receiver can only choose STAGED: no need to wait for it
             conn._map_slots(STAGED)
+            _info(f"rank {ctx.rank} -> rank {peer}: cuda_ipc {_PATH[STAGED]}: {published['why']}")
         self.links.append(conn)
         ctx.store.set(self._key(ctx.rank, peer), json.dumps(published).encode())
         return conn
@@ -323,8 +336,8 @@ class CudaIpcTransport(ShmTransport):
             conn = CudaIpcRecv(self.ctx, peer, seg, self.rt, base, mode)
         except BaseException as e:
             if base:
-                self.rt.ipc_close(base)
-            seg.close()
+                _quietly(self.rt.ipc_close, base)       # never hides e (a sticky error fails it too)
+            _quietly(seg.close)
             if isinstance(e, CudaError):
                 raise CudaError(f"{e.call} (connecting to receive from rank {peer})", e.error, e.code) from None
             raise
@@ -332,9 +345,7 @@ class CudaIpcTransport(ShmTransport):
         if seg.words[SEND_SLEEPS]:                      # its first acquire sleeps on MODE's futex
             futex.wake(seg.base + 8 * MODE)
         self.links.append(conn)
-        _info(f"rank {self.ctx.rank} <- rank {peer}: cuda_ipc "
-              f"{'IPC (device memory, peer to peer)' if mode == IPC else 'STAGED through pinned host memory'}"
-              f"{': ' + why if why else ''}")
+        _info(f"rank {self.ctx.rank} <- rank {peer}: cuda_ipc {_PATH[mode]}{': ' + why if why else ''}")
         return conn
 
     def _choose(self, peer: int, pub: dict) -> tuple[int, str, int]:
