@@ -212,29 +212,37 @@ def _carried(dt: np.dtype) -> np.dtype:
     return np.dtype(np.uint16) if dt == BFLOAT16 else dt
 
 
-def kernel_source(op_code: int, dt: np.dtype):
-    """(python kernel, numba argument types) a launch of (op_code, dt) compiles; for compile_ptx in tests."""
+def _argtypes(kind: int, carried: np.dtype) -> tuple:
+    """The kernel's numba argument types: three 1-D C-contiguous arrays of the carried dtype, and d."""
     from numba.core import types as core_types
     from numba.np.numpy_support import from_dtype
+    arr = core_types.Array(from_dtype(carried), 1, "C")
+    return arr, arr, arr, from_dtype(np.asarray(_scalar(kind, carried, 1)).dtype)
+
+
+def kernel_source(op_code: int, dt: np.dtype):
+    """(python kernel, numba argument types) a launch of (op_code, dt) compiles; for compile_ptx in tests."""
     dt = np.dtype(dt)
     kind = _kind(dt)
-    arr = core_types.Array(from_dtype(_carried(dt)), 1, "C")
-    scalar = from_dtype(np.asarray(_scalar(kind, dt, 1)).dtype)
-    return _make_kernel(op_code, kind), (arr, arr, arr, scalar)
+    return _make_kernel(op_code, kind), _argtypes(kind, _carried(dt))
 
 
 _cache: dict = {}
 _lock = threading.Lock()
 
 
-def _kernel(op_code: int, kind: int):
-    key = (op_code, kind)
+def _kernel(op_code: int, kind: int, carried: np.dtype):
+    """The kernel of (op_code, the carried dtype), compiled for its explicit argument types when first
+    asked for (about 0.3 s): numba's specialized dispatcher, so a launch goes straight to its one
+    overload, with no typing of the arguments per launch. The simulator compiles nothing."""
+    key = (op_code, kind, carried)
     k = _cache.get(key)
     if k is None:
         with _lock:
             k = _cache.get(key)
             if k is None:
-                k = _cache[key] = cuda.jit(_make_kernel(op_code, kind))
+                fn = _make_kernel(op_code, kind)
+                k = _cache[key] = cuda.jit(fn) if SIMULATOR else cuda.jit(_argtypes(kind, carried))(fn)
     return k
 
 
@@ -248,7 +256,7 @@ def prepare(op, dt) -> None:
     if SIMULATOR or key in _prepared:
         return
     for code in entry_kernels("reduce", op, dt) + entry_kernels("postprocess", op, dt):
-        _kernel(code, kind).compile(kernel_source(code, dt)[1])
+        _kernel(code, kind, _carried(dt))
     _prepared.add(key)
 
 
@@ -325,7 +333,7 @@ def _launch(code, kind, out, a, b, d, stream):
     if kind == BF16:
         out, a, b = out.view(np.uint16), a.view(np.uint16), b.view(np.uint16)
     blocks, threads = launch_config(-(-n // per_thread(kind)))
-    _kernel(code, kind)[blocks, threads, as_stream(stream)](out, a, b, d)
+    _kernel(code, kind, np.dtype(out.dtype))[blocks, threads, as_stream(stream)](out, a, b, d)
 
 
 def reduce_copy(out, a, b, op, stream=None):
