@@ -67,7 +67,8 @@ def _delay(stream_ptr: int, ns: int) -> None:
 
 def lag(comm, count: int, lag_rank: int) -> dict:
     """C1: one rank's caller stream busy for 500 ms before the call; a small FIFO reused hundreds of times.
-    The host call must return before the GPU is done (on the lagging rank), and the result be bit-exact."""
+    The host call must return before the GPU is done (on the lagging rank: its stream still busy then),
+    and the result be bit-exact."""
     import time
 
     import cupy
@@ -107,7 +108,11 @@ def loop_until_error(comm, seconds: float, die_after: int | None) -> dict:
         except RingcommError as e:
             t1 = time.monotonic()
             comm.close()
+            closed = time.monotonic()
+            stream = cupy.cuda.get_current_stream()
+            while not stream.done and time.monotonic() - closed < 10.0:   # a poll with a deadline
+                time.sleep(0.01)
             return {"error": f"{type(e).__name__}: {e}"[:300], "after_last_ok_s": t1 - t0,
-                    "close_s": time.monotonic() - t1, "calls": k}
+                    "close_s": closed - t1, "stream_idle": stream.done, "calls": k}
         k += 1
     return {"error": None, "calls": k}

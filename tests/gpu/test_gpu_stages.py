@@ -19,11 +19,11 @@ SMALL_FIFO = {"RINGCOMM_CUDA_BUFFSIZE": str(256 << 10), "RINGCOMM_NSLOTS": "4"}
 def test_c1_slot_protocol_under_lag():
     with World(2, SMALL_FIFO, timeout=60) as w:
         w.run(gpu_work.use_gpu, False)
-        res = w.run(gpu_work.lag, 1 << 21, 1, timeout=90)         # 8 MiB through 64 KiB slots
+        res = w.run(gpu_work.lag, 1 << 24, 1, timeout=90)         # 64 MiB through 4 slots of 64 KiB
         print(res)
         assert all(r["wrong"] == 0 for r in res), res
-        assert res[1]["busy_at_return"] and res[1]["host_s"] < 0.5, res   # the host did not wait for the GPU
-        assert all(r["slices"] >= 100 for r in res), res
+        assert res[1]["busy_at_return"], res        # the host returned while its GPU still lagged
+        assert all(r["slices"] >= 4 * 200 for r in res), res      # each slot reused 200 times and more
 
 
 @pytest.mark.timeout(120)
@@ -34,10 +34,10 @@ def test_c1_staged_over_tcp_under_lag():
     (Here the host cannot return before the lagging GPU: the peer needs its bytes over the network.)"""
     with World(2, {**SMALL_FIFO, "RINGCOMM_TRANSPORT": "tcp"}, timeout=60) as w:
         w.run(gpu_work.use_gpu, False)
-        res = w.run(gpu_work.lag, 1 << 20, 1, timeout=90)         # 4 MiB through 64 KiB slots
+        res = w.run(gpu_work.lag, 1 << 22, 1, timeout=90)         # 16 MiB through 64 KiB slots
         print(res)
         assert all(r["wrong"] == 0 for r in res), res
-        assert all(r["slices"] >= 50 for r in res), res
+        assert all(r["slices"] >= 200 for r in res), res
 
 
 @pytest.mark.timeout(120)
@@ -55,3 +55,4 @@ def test_c4_killed_rank_survivors_raise_and_close():
         assert all(r["error"] for r in res), res
         assert all(r["after_last_ok_s"] < 20 + 10 for r in res), res      # within RINGCOMM_TIMEOUT of rank 2's death
         assert all(r["close_s"] < 8.0 for r in res), res          # close() did not hang on the GPU
+        assert all(r["stream_idle"] for r in res), res            # nor did the survivors' streams
