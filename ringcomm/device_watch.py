@@ -12,9 +12,11 @@ kept here with the call's name and the time it was queued:
 - the error names what the stream waits on: the link, the peer and the flag value it waits for, read
   from the host-mapped flag words (cuda_ipc's ``stuck_on``);
 - a patrol thread (every PATROL seconds, also while the host makes no call at all) lets our stream go
-  when it waits for a flag of a peer whose process is gone: it writes RELEASE into that flag, so neither
-  our stream nor the caller's (chained after it) hangs. What the stream computes from then on is not
-  valid: the next call raises PeerFailure, naming the peer.
+  when it waits for a flag of a peer whose process is gone, or for a flag that has not moved for
+  RINGCOMM_TIMEOUT (a peer alive but failed: its GPU stuck, or its communicator aborted with work
+  still queued): it writes RELEASE into that flag, so neither our stream nor the caller's (chained
+  after it) hangs. What the stream computes from then on is not valid: the next call raises
+  PeerFailure naming the dead peer, or CollectiveTimeout naming the flag that did not move.
 
 Queries only: cudaEventQuery / cudaStreamQuery never block, so neither does a check, whatever the GPU does.
 """
@@ -39,6 +41,8 @@ class ProgressWatch:
         self.pending: deque = deque()   # (event, "all_reduce #7", time queued), oldest first
         self.spare: list = []           # finished events, for reuse
         self.lost: str | None = None    # set by the patrol: a peer died while our stream waited for it
+        self.lost_as = PeerFailure      # ... or CollectiveTimeout: a flag did not move for the timeout
+        self._behind: dict = {}         # id(link) -> (flag value, value waited for, since when) while behind
         self._stop = threading.Event()
         threading.Thread(target=self._patrol, daemon=True, name=f"ringcomm-gpu-watch-rank{rank}").start()
 
@@ -52,7 +56,7 @@ class ProgressWatch:
     def check(self, next_label: str) -> None:
         """Before queuing ``next_label``: forget what the GPU has finished, raise if it is stuck."""
         if self.lost:
-            raise PeerFailure(self.lost)
+            raise self.lost_as(self.lost)
         while self.pending:
             event, label, queued = self.pending[0]
             if self.rt.event_done(event):
@@ -104,13 +108,32 @@ class ProgressWatch:
                 if getattr(conn, "seg", None) is None or conn.seg.words is None or not conn.waited:
                     continue                    # not a cuda_ipc link, closed, or never waited on
                 flag = conn.waited_flag()
-                have = int(flag.host[0])
-                if have < conn.waited and conn.peer_dead():
+                have, want = int(flag.host[0]), conn.waited
+                if have >= want:
+                    self._behind.pop(id(conn), None)
+                    continue
+                if conn.peer_dead():
                     flag.release()
-                    self.lost = self.lost or (
-                        f"rank {self.rank} (this process): rank {conn.peer} died while this rank's GPU stream "
-                        f"waited for its signal {have + 1} over cuda_ipc; the stream was let go, so the device "
-                        f"results of the calls still queued then are not valid")
+                    self._lose(PeerFailure, f"rank {conn.peer} died while this rank's GPU stream waited for "
+                                            f"its signal {have + 1} over cuda_ipc")  
+                    continue
+                seen = self._behind.get(id(conn))
+                now = time.monotonic()
+                if seen is None or seen[:2] != (have, want):
+                    self._behind[id(conn)] = (have, want, now)     # behind, and moving: wait on
+                elif now - seen[2] > self.timeout:
+                    flag.release()
+                    self._lose(CollectiveTimeout, f"timed out after {self.timeout:g} s: this rank's GPU stream waited "
+                                                  f"for rank {conn.peer}'s signal {have + 1} over cuda_ipc, which "
+                                                  f"did not move for {now - seen[2]:.1f} s (the peer's GPU is "
+                                                  f"stuck, or it stopped with work queued)")
+
+    def _lose(self, kind, what: str) -> None:
+        """The patrol let our stream go: the next call raises ``kind`` saying why (the first reason)."""
+        if self.lost is None:
+            self.lost_as = kind
+            self.lost = (f"rank {self.rank} (this process): {what}; the stream was let go, so the device "
+                         f"results of the calls still queued then are not valid")
 
     def close(self, stream: int) -> bool:
         """Whether ``stream`` drained within CLOSE_GRACE; if so the events are destroyed (else leaked)."""

@@ -236,3 +236,36 @@ def async_first_call_and_groups(comm) -> list[str]:
     if not (y.copy_to_host() == 1).all() or not (h == 1).all():
         errors.append(f"wrong result after the group: {y.copy_to_host()[:4]} {h}")
     return errors
+
+
+def queue_a_call(comm) -> str | None:
+    """One device call whose host side completes (the host never waits for the GPU): its error, if any."""
+    from numba import cuda
+    try:
+        comm.all_reduce(cuda.to_device(np.ones(300, np.float32)))
+        return None
+    except RingcommError as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def give_up_and_stay(comm, stay: float) -> None:
+    """This rank fails as a live process can: it aborts and closes its communicator (its stream stuck,
+    the flags it would write never written), then lives on without a word to its peers."""
+    comm.abort()
+    try:
+        comm.close()
+    except RingcommError:
+        pass
+    threading.Event().wait(stay)
+
+
+def callers_stream_released(comm, within: float) -> dict:
+    """How long until the caller's stream (the legacy default stream) is idle, polled up to ``within``;
+    then the next call's error."""
+    rt = fake_cuda.current()
+    t0 = time.monotonic()
+    while not rt.stream_idle(0) and time.monotonic() - t0 < within:
+        threading.Event().wait(0.05)          # a poll with a deadline
+    out = {"idle": rt.stream_idle(0), "after": time.monotonic() - t0}
+    out["next"] = queue_a_call(comm)
+    return out

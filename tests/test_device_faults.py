@@ -177,6 +177,24 @@ def test_a_killed_rank_makes_every_survivor_raise_within_the_deadline():
         assert all(r["close_s"] < 8.0 and not r["violations"] for r in reports), reports
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_that_fails_but_lives_on_does_not_hang_the_callers_stream():
+    """Rank 1's GPU stops after a call both hosts queued; rank 1 then aborts and closes, and its process
+    lives on. Rank 0's stream waits for flags rank 1 will never write: the patrol lets it go once
+    they have not moved for RINGCOMM_TIMEOUT, and rank 0's next call raises CollectiveTimeout naming
+    rank 1's signal (it hung until then, and the stream for ever)."""
+    with World(2, {**SIM, "RINGCOMM_TIMEOUT": "3"}, timeout=30) as w:
+        w.run(work.install)
+        assert w.run(work.one_call) == [{"type": None}] * 2
+        w.run(work.freeze_gpu, ranks=[1])
+        assert w.run(work.queue_a_call, timeout=60) == [None, None]
+        w.start(work.give_up_and_stay, 12.0, ranks=[1])
+        (res,) = w.run(work.callers_stream_released, 9.0, ranks=[0], timeout=60)
+        w.kill()                                         # rank 1 is busy staying alive: not asked to close
+        assert res["idle"] and res["after"] < 3 + 2 * 0.5 + 3, res
+        assert res["next"].startswith("CollectiveTimeout") and "rank 1's signal" in res["next"], res
+
+
 @pytest.mark.timeout(90)
 def test_a_peer_dying_while_our_stream_waits_for_it_does_not_hang_the_callers_stream():
     with World(2, SIM, timeout=30) as w:
