@@ -274,6 +274,22 @@ def _run_cli(args, env_extra=None, prelude=""):
     return p.returncode, out, err
 
 
+@pytest.mark.timeout(120)
+def test_a_plot_that_cannot_be_drawn_is_one_line_not_a_traceback(tmp_path):
+    """matplotlib missing (or one of its own dependencies): the table is printed, the plot's failure is
+    one line naming why, and the exit status says the file was not written."""
+    png = tmp_path / "p.png"
+    rc, out, err = _run_cli(["all_reduce", "-n", "2", "-b", "1K", "-e", "4K", "-f", "4", "--iters", "2",
+                             "--warmup", "1", "--check", "--no-progress", "--plot", str(png)],
+                            prelude="sys.modules['matplotlib'] = None; ")
+    assert rc == 1 and "Traceback" not in err, err
+    assert "# Out of bounds values : 0 OK" in out.splitlines()
+    assert [l for l in err.splitlines() if "plot" in l] == [
+        "ringcomm-bench: the plot was not drawn: --plot needs matplotlib, which did not import "
+        "(import of matplotlib halted; None in sys.modules): pip install 'ringcomm[bench]'"], err
+    assert not png.exists()
+
+
 def _left_segments(before) -> list:
     """Benchmark segments (rc-b<job>-<pid>-...) new since ``before`` whose creating rank has exited.
     A segment of a rank still running belongs to another job: the other test worker may be running

@@ -14,8 +14,10 @@ def draw(path: str, title: str, lines: dict, memcpy_gbps: float | None) -> None:
     """``lines``: label -> [(size in bytes, busbw in GB/s), ...]; written to ``path`` as PNG."""
     try:
         import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib (pip install 'ringcomm[bench]')") from None
+        import matplotlib.pyplot  # noqa: F401 - what fails when one of matplotlib's own dependencies is missing
+    except ImportError as e:
+        raise RuntimeError(f"--plot needs matplotlib, which did not import ({e}): "
+                           f"pip install 'ringcomm[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
