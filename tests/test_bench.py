@@ -245,6 +245,22 @@ def test_a_ringcomm_job_meets_through_a_store_the_bench_already_serves():
     assert all(jobs.STORE_HOSTED_ENV not in e and int(e["MASTER_PORT"]) > 0 for e in envs)
 
 
+def test_progress_on_stderr_that_is_not_a_terminal():
+    """A log or a pipe gets the bar as a line at each quarter of the sweep, not a stream of redraws."""
+    import io
+    from ringcomm.bench.machine import Progress
+    err = io.StringIO()
+    bar = Progress(10, stream=err)
+    for i in range(10):
+        bar.step(f"ringcomm auto {8 << i} B out-of-place")
+    lines = err.getvalue().splitlines()
+    assert [l.split("]")[1].split()[0] for l in lines] == ["3/10", "5/10", "8/10", "10/10"], lines
+    assert lines[-1].startswith("ringcomm-bench: [" + "#" * 30 + "]") and "\r" not in err.getvalue()
+    quiet = io.StringIO()
+    Progress(10, stream=quiet, enabled=False).step("x")
+    assert quiet.getvalue() == ""
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib", reason="the plot needs the bench extra's matplotlib")
     from ringcomm.bench import plot

@@ -111,7 +111,8 @@ def memcpy_gbps(nbytes: int = MEMCPY_BYTES, repeat: int = 5) -> float:
 
 
 class Progress:
-    """A one-line bar on stderr while a sweep runs; where stderr is not a terminal, one line per job."""
+    """A one-line bar on stderr while a sweep runs. Where stderr is not a terminal (a log, a pipe) the
+    bar is a line of its own at each quarter of the sweep, and each finished job is a line."""
 
     def __init__(self, total: int, stream=None, enabled: bool = True):
         self.total, self.done, self.stream = max(1, total), 0, stream or sys.stderr
@@ -120,12 +121,15 @@ class Progress:
         self.t0 = time.monotonic()
 
     def step(self, label: str) -> None:
-        self.done += 1
+        before, self.done = self.done, self.done + 1
+        width = 30
+        fill = int(width * self.done / self.total)
+        bar = "[%s%s] %3d/%d %-40s" % ("#" * fill, "." * (width - fill), self.done, self.total, label[:40])
         if self.tty:
-            width = 30
-            fill = int(width * self.done / self.total)
-            self.stream.write("\r[%s%s] %3d/%d %-40s" % ("#" * fill, "." * (width - fill), self.done,
-                                                          self.total, label[:40]))
+            self.stream.write("\r" + bar)
+            self.stream.flush()
+        elif self.enabled and 4 * self.done // self.total > 4 * before // self.total:
+            self.stream.write("ringcomm-bench: " + bar.rstrip() + "\n")
             self.stream.flush()
 
     def note(self, text: str, always: bool = False) -> None:
