@@ -83,9 +83,9 @@ def cost(collective, algo, world_size, nbytes, alpha, beta, gamma, *, root=None,
 
 
 def load_bench(path) -> list[tuple]:
-    """Rows (collective, algo, n, nbytes, seconds) of a ``ringcomm-bench --json`` file: each algorithm
-    run by name, out-of-place times (rows run with automatic choice are skipped: which algorithm
-    ran is not recorded)."""
+    """Rows (collective, algo, n, nbytes, seconds) of a ``ringcomm-bench --json`` file, out-of-place
+    times: each algorithm run by name, and the rows run with automatic choice under the algorithm
+    it ran (recorded per row as "ran"; a file written before that was recorded has no such rows)."""
     with open(path) as f:
         doc = json.load(f)
     try:
@@ -93,8 +93,13 @@ def load_bench(path) -> list[tuple]:
         runs = doc["ringcomm"]["rows"]
     except (KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a ringcomm-bench --json file (missing {e})") from None
-    return [(coll, algo, n, int(r["size"]), float(r["oop"]["seconds"]))
-            for algo, rows in runs.items() if algo != "auto" for r in rows if r["size"] > 0]
+    out = []
+    for label, rows in runs.items():
+        for r in rows:
+            algo = r["oop"].get("ran") if label == "auto" else label
+            if r["size"] > 0 and algo in catalogue.names(coll):
+                out.append((coll, algo, n, int(r["size"]), float(r["oop"]["seconds"])))
+    return out
 
 
 def fit(data, *, model="rounds", iterations=5) -> Params:

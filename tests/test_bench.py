@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 
+import ringcomm.algorithms
+import ringcomm.model
 from ringcomm.bench import alternate, jobs, machine, placement, report, runs, spec, verify, worker
 from ringcomm.bench.cli import parse_args
 from ringcomm.kernels import host
@@ -517,6 +519,11 @@ def test_alternate_runs_every_row_in_both_libraries_and_checks_out(tmp_path):
     assert [r["size"] for r in doc["peers"]["gloo"]["rows"]["auto"]] == [1024, 4096, 16384]
     assert report.out_of_bounds([r for rs in doc["peers"]["gloo"]["rows"].values() for r in rs]) == 0
     assert doc["ringcomm"]["round_trip_ns_by_size"] == {"1024": None, "4096": None, "16384": None}
+    # automatic choice's rows say what ran, so that ringcomm.fit can use them; a peer's say nothing
+    ran = [r["oop"]["ran"] for r in doc["ringcomm"]["rows"]["auto"]]
+    assert all(a in ringcomm.algorithms.algorithms("all_reduce") for a in ran), ran
+    assert {r["oop"]["ran"] for r in doc["peers"]["gloo"]["rows"]["auto"]} == {None}
+    assert len(ringcomm.model.load_bench(js)) == 3
 
 
 def test_alternate_takes_one_algorithm():

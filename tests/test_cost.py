@@ -134,11 +134,14 @@ def test_fit_recovers_known_parameters_and_reads_bench_json(tmp_path):
                  for nb in (0, 1024, 1 << 16, 1 << 20)],
         "tree": [{"size": nb, "oop": {"seconds": float(ringcomm.cost("all_reduce", "tree", 4, nb, *truth))}}
                  for nb in (1024, 1 << 16, 1 << 20)],
-        "auto": [{"size": 8, "oop": {"seconds": 1.0}}]}}}
+        "auto": [{"size": 8, "oop": {"seconds": 1.0}},          # written before rows said what ran
+                 {"size": 1 << 18, "oop": {"seconds": float(ringcomm.cost("all_reduce", "ring", 4, 1 << 18,
+                                                                            *truth)), "ran": "ring"}}]}}}
     path = tmp_path / "bench.json"
     path.write_text(__import__("json").dumps(doc))
     from ringcomm.model import load_bench
-    assert len(load_bench(path)) == 6  # size 0 and automatic rows are left out
+    rows = load_bench(path)
+    assert len(rows) == 7 and rows[-1][1:4] == ("ring", 4, 1 << 18)  # size 0 and unnamed automatic rows left out
     one = ringcomm.fit(str(path))  # all_reduce alone cannot tell beta from gamma: only the times
     assert one.rms_relative_error < 1e-9 and math.isclose(one.alpha, float(truth[0]), rel_tol=1e-6)
     with pytest.raises(ValueError, match="at least 3"):

@@ -36,6 +36,10 @@ class Backend:
         """A buffer registered with the library (ringcomm-bench --registered); every rank calls it."""
         raise Unsupported(f"{self.name} has no registered buffers")
 
+    def ran(self) -> str | None:
+        """The algorithm the last call ran, where the library says (ringcomm); else None."""
+        return None
+
     def call(self, collective, inp, out, op, root, in_place):
         raise NotImplementedError
 
@@ -85,9 +89,19 @@ class RingcommBackend(Backend):
         self.comm = ringcomm.init()
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         self.algo = algo
+        self._first = None
+
+    def ran(self) -> str | None:
+        """The algorithm the last call made by call()'s function ran (automatic choice's pick included),
+        from the communicator's record of known calls; None where it keeps none (sendrecv)."""
+        known = self.comm._known.latest.get(id(self._first))
+        return None if known is None else known.algo
 
     def call(self, collective, inp, out, op, root, in_place, reproducible=False):
         c, a, rp = self.comm, self.algo, reproducible
+        # the array a known call is remembered by (comm's first buffer; scatter's out off the root)
+        self._first = out if (collective == "scatter" and self.rank != root) or \
+            (collective == "broadcast" and self.rank != root) else inp
         if rp:                      # only the reducing calls take it (ringcomm.bench.reproducible)
             kw = {"algo": a, "reproducible": True}
             if collective == "all_reduce":

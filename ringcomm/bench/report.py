@@ -23,7 +23,7 @@ def placement(coll: str, n: int, size: int, ev: dict) -> dict:
     return {"seconds": seconds, "rank_seconds": ev["rank_seconds"], "algbw": algbw, "busbw": busbw,
             "wrong": None if wrong is None else sum(wrong), "rank_wrong": wrong, "skipped": ev.get("skipped"),
             "iters": ev.get("iters"), "span": ev.get("span"), "steal_s": ev.get("steal_s"),
-            "on_cpu": ev.get("on_cpu")}
+            "on_cpu": ev.get("on_cpu"), "ran": ev.get("ran")}
 
 
 def make_row(coll: str, n: int, dtype: str, op: str, root: int, oop: dict, ip: dict) -> dict:
