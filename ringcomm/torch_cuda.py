@@ -11,8 +11,10 @@ the caller's, although the work is queued from another thread:
   an end event is recorded on it;
 - Work.wait() (and synchronize()) waits, on the host, for the worker to have *queued* the call, then makes
   the waiting thread's current stream wait for the end event: the GPU, not the host, waits for the result,
-  as with NCCL. The future completes when the call is queued; a value read from it is ready on a stream
-  that waited (Work.wait) for it;
+  as with NCCL. The future is a CUDA-aware one (torch.futures.Future(devices=[the device])), completed
+  once the call is queued from a stream that waits for the end event: its wait() and value(), and the
+  callbacks of then(), order the caller's current stream after the collective, as NCCL's future does.
+  is_completed() says whether the GPU has finished (the end event), as NCCL's Work does;
 - the tensors are marked used on the group's stream (record_stream), so the caching allocator does not
   hand their memory out again before that stream has passed the call.
 
@@ -39,12 +41,34 @@ from .torch_support import REDUCIBLE, Work, ring_op
 
 class CudaWork(Work):
     def __init__(self, inner, outputs, device, end):
-        super().__init__(inner, outputs)
         self.device, self._end = device, end  # end: a one-item list the progress thread fills
+        super().__init__(inner, outputs)
 
     @property
     def end(self):
         return self._end[0]
+
+    def _new_future(self):
+        if not torch.cuda.is_available():   # the tests' stand-in CUDA tensors (torch's CPU build)
+            return torch.futures.Future()
+        return torch.futures.Future(devices=[self.device])
+
+    def _complete(self) -> None:
+        """Complete the future with the group's stream current, the one the call ran on (its end event is
+        on it): a CUDA-aware future records its own events on the current stream when it is set, and
+        whoever waits on it (or runs a callback) has its current stream wait for those, as NCCL's future
+        records them on NCCL's stream."""
+        if self.end is None or self._inner.exception() is not None:
+            return super()._complete()
+        with torch.cuda.device(self.device), torch.cuda.stream(self._end[1]):
+            super()._complete()
+
+    def is_completed(self) -> bool:
+        """The GPU has finished the call (its end event), as NCCL's Work.is_completed() says."""
+        if not super().is_completed():
+            return False
+        end = self.end
+        return end is None or end.query()
 
     def wait(self, timeout=timedelta(0)) -> bool:
         super().wait(timeout)               # the worker has queued the call (or raised its error)
@@ -113,6 +137,7 @@ def after_callers(pg, marks: list, end: list):
         yield
         end[0] = torch.cuda.Event()     # not reached when the body raised: no stream is chained to it
         end[0].record(side)
+        end[1:] = [side]                # the stream it is on: CudaWork completes its future there
 
 
 def _stream(pg, dev):

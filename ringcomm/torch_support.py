@@ -301,10 +301,13 @@ class Work(dist.Work):
     def __init__(self, inner: ringcomm.work.Work, outputs: list):
         super().__init__()
         self._inner, self._outputs = inner, outputs
-        self._future = torch.futures.Future()
+        self._future = self._new_future()
         self._completed = threading.Event()  # the future is set and its callbacks have run
         COMPLETER.hand_off()                   # made in a callback, which may wait for it
         inner.add_done_callback(self._finish)  # on the progress thread, or now if it already ran
+
+    def _new_future(self):
+        return torch.futures.Future()
 
     def _finish(self, inner) -> None:
         COMPLETER.submit(self._complete)

@@ -8,6 +8,7 @@ tests/gpu/test_gpu_torch.py runs batch_isend_irecv on CUDA tensors on a real GPU
 from __future__ import annotations
 
 import contextlib
+import threading
 import importlib.util
 
 import numpy as np
@@ -24,7 +25,8 @@ class FakeCuda:
     """torch.cuda's streams, events and device / stream contexts, as a log of what would reach the GPU."""
 
     def __init__(self):
-        self.log, self.current, self.n, self.events = [], "caller", 0, 0
+        self.log, self.n, self.events = [], 0, 0
+        self._local = threading.local()         # torch's current stream is per thread
         test = self
 
         class Event:
@@ -35,6 +37,9 @@ class FakeCuda:
             def record(self, stream):
                 test.log.append(("record", self.name, stream.name))
 
+            def query(self):            # this stand-in GPU has done whatever was recorded
+                return True
+
         class Stream:
             def __init__(self, dev=None, name=None):
                 test.n += 1
@@ -43,6 +48,14 @@ class FakeCuda:
             def wait_event(self, ev):
                 test.log.append(("wait", self.name, ev.name))
         self.Event, self.Stream = Event, Stream
+
+    @property
+    def current(self) -> str:
+        return getattr(self._local, "current", "caller")
+
+    @current.setter
+    def current(self, name: str) -> None:
+        self._local.current = name
 
     def install(self, mp):
         mp.setattr(torch.cuda, "Event", self.Event)
@@ -149,6 +162,24 @@ def test_cuda_and_cpu_p2p_are_held_and_run_as_one_group_on_the_groups_stream(fak
     pg.send([cuda_tensor([2.0], log=log)], 1, 0)
     pg.allreduce([cuda_tensor([3.0], log=log)])
     assert [e[0] for e in log if e[0] in ("group", "send", "all_reduce")] == ["group", "send", "all_reduce"], log
+
+
+def test_a_cuda_works_future_is_completed_on_the_groups_stream(fake, monkeypatch):
+    """torch's CUDA-aware future records its events on the stream current when it is completed, and a
+    waiter's stream waits for them (NCCL completes it on NCCL's stream): so the future is completed with
+    the group's stream current, the one the call ran on, after its end event."""
+    from ringcomm import torch_support
+    streams = []
+    complete = torch_support.Work._complete
+    monkeypatch.setattr(torch_support.Work, "_complete",
+                        lambda self: (streams.append((self, fake.current)), complete(self)))
+    pg, log = _group(fake), fake.log
+    work = pg.allreduce([cuda_tensor([3.0], log=log)])
+    fake.current = "waiter"
+    assert work.wait() and work.get_future().done() and work.is_completed()
+    (end,) = [e for e in log if e[0] == "record" and e[2] != "caller"]
+    mine = [current for w, current in streams if w is work]      # (an earlier test's work may complete late)
+    assert mine == [end[2]] and end[2] not in ("caller", "waiter"), (streams, log)
 
 
 def test_a_failed_cuda_batch_raises_from_wait_and_chains_no_stream(fake):

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(WHY is not None, reason=WHY or
 
 
 def stream_semantics(rank, n):
-    """Work queued on a side stream before the call counts; Work.wait() orders the side stream after it."""
+    """Work queued on a side stream before the call counts; Work.wait() and the Work's future's wait()
+    order the side stream after it."""
     import torch
     import torch.distributed as dist
     torch.cuda.set_device(0)
@@ -24,11 +25,18 @@ def stream_semantics(rank, n):
         work = dist.all_reduce(x, async_op=True)
         work.wait()                                     # s waits on the GPU; the host does not
         x *= 2
+        z = torch.zeros(1 << 22, device="cuda")
+        for _ in range(20):
+            z += 1
+        fut = dist.all_reduce(z, async_op=True).get_future()
+        fut.wait()                                      # a CUDA-aware future: s waits, as with NCCL
+        z *= 2
         y = torch.full((1 << 16,), float(rank + 1), dtype=torch.bfloat16, device="cuda")
         out = torch.empty(n * y.numel(), dtype=torch.bfloat16, device="cuda")
         dist.all_gather_into_tensor(out, y)
     s.synchronize()
     assert bool((x == 20 * n * 2).all()), x[:4]
+    assert bool((z == 20 * n * 2).all()), z[:4]
     assert bool((out.view(n, -1).float() == torch.arange(1, n + 1, device="cuda").view(n, 1)).all())
     return "ok"
 
