@@ -104,6 +104,9 @@ def test_one_slot_deadlocks_every_ring_and_init_refuses_it(monkeypatch):
     for n in (2, 3, 5):
         trace = deadlock(_ring(n), 1, 1)
         assert f"the shortest run into it has {n} events" in trace
+    rep = ringcomm.verify("all_reduce", "ring", 3, 100, nslots=1)   # asked of verify: what would happen
+    assert not rep.ok and rep.postcondition is None and rep.deadlocks[2, 1] is None
+    assert "the shortest run into it has 3 events" in rep.deadlocks[1, 1]
     monkeypatch.setenv("RINGCOMM_NSLOTS", "1")
     with pytest.raises(ValueError, match="RINGCOMM_NSLOTS=1 must be at least 2"):
         ringcomm.init(0, 1)

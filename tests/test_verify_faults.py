@@ -456,8 +456,10 @@ def test_nslots_sets_the_fifo_shapes_checked_and_the_docstring_says_so():
     rep = ringcomm.verify("all_reduce", "tree", 5, 10, nslots=4)
     assert list(rep.deadlocks) == [(2, 1), (4, 1), (4, 2)] and rep.ok
     assert list(ringcomm.verify("all_reduce", "ring", 4, 10, nslots=16).deadlocks)[-1] == (16, 8)
-    with pytest.raises(ValueError, match="nslots"):
-        ringcomm.verify("all_reduce", "ring", 4, 10, nslots=1)
+    assert list(ringcomm.verify("all_reduce", "ring", 4, 10, nslots=1).deadlocks) == [(2, 1), (1, 1)]
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="nslots"):
+            ringcomm.verify("all_reduce", "ring", 4, 10, nslots=bad)
     doc = " ".join(ringcomm.verify.__doc__.split())
     assert "(2, 1), (8, 1), (8, 2), (8, 3), (8, 4)" in doc and "nslots=" in doc and "changes" in doc
 

@@ -42,17 +42,18 @@ NOT_CHECKED = "not checked"
 def fifo_shapes(nslots: int = 8) -> tuple[tuple[int, int], ...]:
     """The (nslots, slices a step moves) the executor meets with RINGCOMM_NSLOTS=nslots: a step
     moves between 1 slice (a small message) and nslots // 2 (a full chunk; executor.py), so all
-    of those; and 2 slots with 1 slice, the smallest setting init() accepts (with 1 slot every
-    ring deadlocks: a step holds its incoming slot until it has an outgoing one).
+    of those; and 2 slots with 1 slice, the smallest setting init() accepts. ``nslots=1``, which
+    init() refuses, can still be asked of verify (what would happen): with 1 slot every ring
+    deadlocks, since a step holds its incoming slot until it has an outgoing one.
 
     Each shape has every step move the same number of slices. A round whose chunks move fewer
     (SPLIT chunks differ by one element, the last round is shorter, an empty chunk moves none)
     is covered by the shape of its largest: dropping matched slices from a run that finishes
     leaves a run that finishes, since every wait left is for a slice posted, or a slot freed,
     no later than before."""
-    if not isinstance(nslots, int) or nslots < 2:
-        raise ValueError(f"nslots must be an int >= 2 (as RINGCOMM_NSLOTS), got {nslots!r}")
-    shapes = [(2, 1)] + [(nslots, s) for s in range(1, nslots // 2 + 1)]
+    if not isinstance(nslots, int) or isinstance(nslots, bool) or nslots < 1:
+        raise ValueError(f"nslots must be an int >= 1 (RINGCOMM_NSLOTS), got {nslots!r}")
+    shapes = [(2, 1)] + [(nslots, s) for s in range(1, max(1, nslots // 2) + 1)]
     return tuple(dict.fromkeys(shapes))
 
 
