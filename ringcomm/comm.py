@@ -233,8 +233,11 @@ class Communicator:
         return buf
 
     @asyncable
-    def barrier(self):
-        """Return once every rank has entered the barrier (a dissemination barrier)."""
+    def barrier(self, *, algo=None):
+        """Return once every rank has entered the barrier. ``algo``: "dissemination" (the one there
+        is, and the default: ceil(log2 n) rounds of one message each way)."""
+        if algo not in (None, "dissemination"):
+            raise ValueError(f"barrier has no algorithm {algo!r}; choose one of ['dissemination']")
         token = np.zeros(1, np.uint8)
         self._start("barrier", "dissemination", p2p.barrier(self.rank, self.world_size), token, token,
                     token.size, "sum", None)

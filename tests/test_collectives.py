@@ -110,6 +110,14 @@ def _p2p_and_barrier(comm):
         comm.send(mine, nxt)
     for _ in range(3):
         comm.barrier()
+    comm.barrier(algo="dissemination")                 # algo= as every collective takes it
+    try:
+        comm.barrier(algo="ring")
+        return "barrier took algo='ring'"
+    except ValueError as e:
+        if "dissemination" not in str(e):
+            return f"unclear: {e}"
+    comm.barrier()                                      # the refusal moved nothing: still in step
     return bool((got == np.arange(3000) * (prev + 1)).all())
 
 
