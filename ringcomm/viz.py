@@ -217,14 +217,51 @@ def png(fr: list[dict], n: int, heading: str, path: str, cols: int = 4) -> None:
     plt.close(fig)
 
 
+def _register_from(source: str, collective: str, name, n: int, root) -> str:
+    """Load FUNC from FILE.py:FUNC or MODULE:FUNC and register it for ``collective`` (as
+    register_algorithm does, which verifies it first); return the name it was registered under."""
+    import importlib
+    import runpy
+
+    from .schedule.lang import Program, program_builder
+    where, _, func_name = source.rpartition(":")
+    if not where or not func_name:
+        raise ValueError("expected FILE.py:FUNC or MODULE:FUNC")
+    space = runpy.run_path(where, run_name="ringcomm_viz_source") if where.endswith(".py") else \
+        vars(importlib.import_module(where))
+    if func_name not in space:
+        raise AttributeError(f"{where} has no {func_name!r}")
+    func = space[func_name]
+    rooted = collective in algorithms.ROOTED
+    try:    # make(n[, root]) -> Program, or a builder(rank, n[, root]) -> Schedule?
+        made = func(n, 0 if root is None else root) if rooted else func(n)
+    except TypeError:
+        made = None
+    builder = program_builder(func) if isinstance(made, Program) else func
+    name = name or func_name
+    algorithms.register_algorithm(name, collective, builder)
+    return name
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="ringcomm-viz", description=__doc__.splitlines()[0])
     p.add_argument("collective", choices=algorithms.COLLECTIVES)
-    p.add_argument("--algo", default="ring", help="an algorithm name (ringcomm.algorithms.algorithms)")
+    p.add_argument("--algo", help="an algorithm name (ringcomm.algorithms.algorithms; default ring)")
     p.add_argument("-n", "--ranks", type=int, default=4)
     p.add_argument("--root", type=int, default=None)
     p.add_argument("--out", required=True, help="FILE.svg, FILE.png or FILE.html")
+    p.add_argument("--from", dest="source", metavar="FILE.py:FUNC",
+                   help="draw your own algorithm: FUNC of FILE.py (or of a module, MODULE:FUNC), a builder(rank, "
+                        "n[, root]) returning a Schedule or a make(n[, root]) returning a Program (schedule/lang.py); "
+                        "registered as --algo's name (default: FUNC's)")
+    p.set_defaults(algo=None)
     a = p.parse_args(argv)
+    if a.source:
+        try:
+            a.algo = _register_from(a.source, a.collective, a.algo, a.ranks, a.root)
+        except (OSError, ImportError, AttributeError, TypeError, ValueError) as e:
+            p.error(f"--from {a.source}: {type(e).__name__}: {e}")
+    a.algo = a.algo or "ring"
     try:
         fr = frames(a.collective, a.algo, a.ranks, a.root)
     except ValueError as e:

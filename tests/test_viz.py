@@ -63,6 +63,31 @@ def test_svg_and_html_are_well_formed(tmp_path):
         viz.main(["all_reduce", "--algo", "nope", "--out", str(tmp_path / "x.svg")])
 
 
+def test_your_own_algorithm_from_a_file(tmp_path):
+    """--from FILE.py:FUNC draws an algorithm of your own: the example's bidirectional ring (a make(n)
+    returning a Program), and a builder(rank, n) returning Schedules, each registered under a name."""
+    import pathlib
+    from ringcomm import algorithms
+    example = pathlib.Path(__file__).resolve().parent.parent / "examples" / "bidirectional_ring.py"
+    out = tmp_path / "bidir.svg"
+    try:
+        assert viz.main(["all_reduce", "--from", f"{example}:bidirectional_ring", "--algo", "bidir",
+                         "-n", "4", "--out", str(out)]) == 0
+        assert "bidir" in algorithms.algorithms("all_reduce")
+        assert "all_reduce / bidir on 4 ranks" in out.read_text()
+        mine = tmp_path / "mine.py"
+        mine.write_text("from ringcomm.schedule.ring import ring_all_reduce\n"
+                        "def my_ring(rank, n):\n    return ring_all_reduce(rank, n)\n")
+        assert viz.main(["all_reduce", "--from", f"{mine}:my_ring", "-n", "3", "--out", str(out)]) == 0
+        assert "all_reduce / my_ring on 3 ranks" in out.read_text()
+        with pytest.raises(SystemExit):
+            viz.main(["all_reduce", "--from", f"{mine}:missing", "--out", str(out)])
+    finally:
+        for name in ("bidir", "my_ring"):
+            if name in algorithms.algorithms("all_reduce"):
+                algorithms.unregister_algorithm(name, "all_reduce")
+
+
 def test_png(tmp_path):
     pytest.importorskip("matplotlib", reason="PNG output needs matplotlib")
     out = tmp_path / "r.png"
