@@ -77,7 +77,8 @@ class Links:
             raise ValueError(f"RINGCOMM_TRANSPORT={self.forced!r}: choose one of {', '.join(TRANSPORTS)}")
         self.me = host_id()
         ctx.store.set(f"{ctx.prefix}/host/{ctx.rank}", self.me.encode())   # read until the roster is in
-        self.rdma = (self.forced in (None, "ibverbs") and ctx.world_size > 1
+        # A world of one has no links, but RINGCOMM_TRANSPORT=ibverbs still says at init whether it could.
+        self.rdma = (self.forced in (None, "ibverbs") and (ctx.world_size > 1 or self.forced == "ibverbs")
                      and _rdma_usable(self.forced, ctx.rank))
         ctx.store.set(f"{ctx.prefix}/rdma/{ctx.rank}", b"1" if self.rdma else b"0")
         self.transports: dict = {}
@@ -163,6 +164,11 @@ class Links:
         except (OSError, ImportError, LookupError) as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                 f"({direction}{self._purpose()}) over {name}: {e}") from e
+        except (RingcommError, ValueError, TypeError):
+            raise                       # ringcomm's own, and bad settings: they say what they are
+        except Exception as e:  # noqa: BLE001 - a transport's library (pyverbs' PyverbsRDMAError, say)
+            raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
+                                f"({direction}{self._purpose()}) over {name}: {type(e).__name__}: {e}") from e
 
     def peer_gone(self, peer: int) -> str:
         """"" while ``peer`` may live (or before the roster is in); else why it is known dead."""

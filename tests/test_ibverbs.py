@@ -3,7 +3,7 @@ The contract every transport shares is tests/test_conformance.py's (its ibverbs 
 
 Everything marked ``rdma`` needs pyverbs and an active RDMA port; without them it is skipped with
 the reason. No machine here has an RDMA NIC: .ci/run runs these tests inside a QEMU guest with
-Soft-RoCE (../shared/rdma/run-in-rxe-guest.sh, see tests/rdma_guest.sh). On a host with a real NIC,
+Soft-RoCE (../shared/rdma/run-in-rxe-guest.sh, see .ci/rdma-guest). On a host with a real NIC,
 `pytest -m rdma` runs them directly.
 """
 from __future__ import annotations
@@ -85,6 +85,57 @@ def test_hca_and_gid_selection_follow_nccl_syntax(monkeypatch):
         verbs.gid_index("nodev", 1, is_ib=False)
     monkeypatch.delenv("RINGCOMM_IB_GID_INDEX")
     assert verbs.gid_index("nodev", 1, is_ib=True) == 0
+    monkeypatch.setenv("RINGCOMM_IB_GID_INDEX", "-1")          # automatic, as NCCL_IB_GID_INDEX=-1
+    assert verbs.gid_index("nodev", 1, is_ib=True) == 0 and verbs.gid_index("nodev", 1, is_ib=False) == 0
+
+
+@pytest.mark.timeout(10)
+def test_ib_settings_out_of_range_are_errors_not_another_transport(monkeypatch):
+    """A RINGCOMM_IB_* setting that cannot be right is a ValueError naming it, before any device is
+    looked for: not a reason to fall back to tcp, nor a verbs error at the first collective."""
+    for name, bad in (("RINGCOMM_IB_TIMEOUT", "0"), ("RINGCOMM_IB_TIMEOUT", "32"), ("RINGCOMM_IB_RETRY_CNT", "9"),
+                      ("RINGCOMM_IB_PORT", "0"), ("RINGCOMM_IB_GID_INDEX", "-2")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name}={bad} is out of range"):
+            verbs.unavailable()
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("RINGCOMM_IB_TIMEOUT", "abc")
+    with pytest.raises(ValueError, match="RINGCOMM_IB_TIMEOUT='abc' is not an integer"):
+        verbs.unavailable()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(WHY_NOT is None, reason="an RDMA device is present: the no-device error cannot show")
+def test_forced_ibverbs_fails_at_init_in_a_world_of_one_too(monkeypatch):
+    import ringcomm
+    monkeypatch.setenv("RINGCOMM_TRANSPORT", "ibverbs")
+    with pytest.raises(ringcomm.RingcommError, match=r"RINGCOMM_TRANSPORT=ibverbs, but rank 0 \(this process\)"):
+        ringcomm.init(0, 1, store=HashStore(timeout=5), timeout=5)
+
+
+@pytest.mark.timeout(30)
+def test_a_transport_librarys_own_error_at_connect_becomes_a_ringcomm_error(monkeypatch):
+    """pyverbs raises its own PyverbsRDMAError (a QP that does not reach RTR, say): the connect error
+    is a RingcommError naming both ranks, the call and the transport, with the library's error."""
+    import ringcomm
+    from ringcomm import links
+
+    class PyverbsRDMAError(Exception):
+        pass
+
+    class Refusing:
+        def connect_send(self, peer, deadline):
+            raise PyverbsRDMAError("Failed to modify QP state to RTR. Errno: 110, Connection timed out")
+        connect_recv = connect_send
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(links, "_make_transport", lambda name, ctx: Refusing())
+    with ringcomm.init(0, 1, store=HashStore(timeout=5), timeout=5) as comm:
+        with pytest.raises(ringcomm.RingcommError, match=r"rank 0 \(this process\) could not connect to rank 1 "
+                           r"\(send\) over tcp: PyverbsRDMAError: Failed to modify QP state to RTR"):
+            comm._links._connect(1, "send", "tcp")
 
 
 # ---- over a real verbs stack -------------------------------------------------------------------

@@ -83,7 +83,7 @@ def find_device() -> tuple[str, int]:
     for name in names:
         wanted, port = hca_filter(name)
         if not wanted:
-            seen.append(f"{name} (excluded by RINGCOMM_IB_HCA)")
+            seen.append(f"{name} (not selected by RINGCOMM_IB_HCA={os.environ.get('RINGCOMM_IB_HCA', '')!r})")
             continue
         port = env_int("RINGCOMM_IB_PORT", port)
         with pv.device.Context(name=name) as vctx:
@@ -94,12 +94,31 @@ def find_device() -> tuple[str, int]:
     raise LookupError(f"no usable RDMA port: {', '.join(seen)}")
 
 
+# The knobs' ranges: an ack timeout exponent is 5 bits (0: wait for ever, which ringcomm refuses: a dead
+# peer must fail the link), a retry count 3 bits; ports count from 1; a GID index from 0 (-1: automatic,
+# as NCCL_IB_GID_INDEX=-1 means).
+KNOBS = {"RINGCOMM_IB_TIMEOUT": (1, 31), "RINGCOMM_IB_RETRY_CNT": (0, 7), "RINGCOMM_IB_PORT": (1, 255),
+         "RINGCOMM_IB_GID_INDEX": (-1, 65535)}
+
+
+def check_knobs() -> None:
+    """ValueError naming the RINGCOMM_IB_* setting that is not an integer in its range."""
+    for name, (low, high) in KNOBS.items():
+        value = env_int(name, None)
+        if value is not None and not low <= value <= high:
+            raise ValueError(f"{name}={value} is out of range: it must be between {low} and {high}")
+
+
 def unavailable() -> str | None:
-    """None when an RDMA device can be used here, else why not (for transport selection)."""
+    """None when an RDMA device can be used here, else why not (for transport selection). A
+    RINGCOMM_IB_* setting that is wrong is a ValueError, not a reason to take another transport."""
+    check_knobs()
     try:
         find_device()
-    except (ImportError, LookupError, ValueError) as e:
+    except (ImportError, LookupError) as e:
         return str(e)
+    except ValueError:
+        raise
     except Exception as e:  # noqa: BLE001 - a broken verbs stack counts as "no device"
         return f"the RDMA stack failed: {e!r}"
     return None
@@ -108,6 +127,8 @@ def unavailable() -> str | None:
 def gid_index(name: str, port: int, is_ib: bool) -> int:
     """RINGCOMM_IB_GID_INDEX, else (RoCE) an IPv4-mapped RoCE v2 GID as NCCL prefers, else index 0."""
     chosen = env_int("RINGCOMM_IB_GID_INDEX", None)
+    if chosen == -1:                    # automatic, as NCCL_IB_GID_INDEX=-1
+        chosen = None
     if chosen is not None or is_ib:
         return chosen or 0
     base = f"/sys/class/infiniband/{name}/ports/{port}"
