@@ -16,6 +16,7 @@ import time
 from dataclasses import replace
 
 from ringcomm.transport.base import Aborted, LinkContext, PeerGone, PeerTimeout, wait_key
+from ringcomm.transport.cuda_rt import CudaError
 
 from .errors import (CollectiveTimeout, CommunicatorClosed, PeerFailure, RingcommError, StoreError,
                      StoreTimeout)
@@ -164,8 +165,8 @@ class Links:
         except (OSError, ImportError, LookupError) as e:
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                 f"({direction}{self._purpose()}) over {name}: {e}") from e
-        except (RingcommError, ValueError, TypeError):
-            raise                       # ringcomm's own, and bad settings: they say what they are
+        except (RingcommError, CudaError, ValueError, TypeError):
+            raise                       # ringcomm's own (the device path names a CUDA error), bad settings
         except Exception as e:  # noqa: BLE001 - a transport's library (pyverbs' PyverbsRDMAError, say)
             raise RingcommError(f"rank {self.ctx.rank} (this process) could not connect to rank {peer} "
                                 f"({direction}{self._purpose()}) over {name}: {type(e).__name__}: {e}") from e
