@@ -15,10 +15,10 @@ import time
 LOOP = os.path.join(os.path.dirname(__file__), "scripts", "allreduce_loop.py")
 
 
-def launch(n: int, env: dict, *launcher_args: str, prefix: tuple = ()) -> subprocess.Popen:
-    """``ringcomm-run -n N [launcher_args] allreduce_loop.py``, optionally behind ``prefix``
-    (e.g. ``ip netns exec NS``), output merged into one text pipe."""
-    cmd = [*prefix, sys.executable, "-m", "ringcomm.launch", "-n", str(n), *launcher_args, LOOP]
+def launch(n: int, env: dict, *launcher_args: str, prefix: tuple = (), script: str = LOOP) -> subprocess.Popen:
+    """``ringcomm-run -n N [launcher_args] script`` (allreduce_loop.py unless said), optionally behind
+    ``prefix`` (e.g. ``ip netns exec NS``), output merged into one text pipe."""
+    cmd = [*prefix, sys.executable, "-m", "ringcomm.launch", "-n", str(n), *launcher_args, script]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

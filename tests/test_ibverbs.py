@@ -229,6 +229,27 @@ def test_collectives_over_ibverbs(n):
 
 @rdma
 @pytest.mark.timeout(180)
+def test_a_rank_killed_before_it_wrote_is_reported_not_waited_out(tmp_path):
+    """Rank 1 is killed after init, before any collective: it never published a queue pair nor wrote
+    on a link. Its neighbours' waits (rank 0 for rank 1's queue pair, rank 2 for its first slice)
+    cannot probe a QP; the roster's liveness names it long before the 60 s timeout."""
+    n, victim = 3, 1
+    env = dict(os.environ, RINGCOMM_TIMEOUT="60", PID_DIR=str(tmp_path), RINGCOMM_TRANSPORT="ibverbs",
+               RINGCOMM_JOB_ID=f"ibpre{os.getpid()}")
+    proc = jobs.launch(n, env, script=os.path.join(os.path.dirname(__file__), "scripts", "broadcast_after_go.py"))
+    with jobs.running([proc]):
+        jobs.wait_for_ranks(tmp_path, range(n), [proc], timeout=90)
+        jobs.kill_rank(tmp_path, victim)
+        (tmp_path / "go").write_text("")
+        (out,), elapsed = jobs.finish([proc], timeout=100)
+    assert proc.returncode != 0
+    assert elapsed < 30, f"the job took {elapsed:.1f} s to end:\n{out}"
+    errors = jobs.survivor_errors(out, set(range(n)) - {victim})
+    assert any(re.search(rf"rank {victim} \(pid \d+\) died", line) for line in errors.values()), out
+
+
+@rdma
+@pytest.mark.timeout(180)
 def test_killed_rank_is_reported_not_a_hang(tmp_path):
     # Ranks 0 and 2 are rank 1's ring neighbours: one writes to its vanished QP, the other waits
     # for it and probes. Both must report rank 1 over ibverbs; the default ack timeout and retry

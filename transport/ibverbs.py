@@ -138,12 +138,24 @@ class _Link:
                 raise PeerTimeout(f"rank {self.ctx.rank} (this process) timed out waiting for {what} "
                                   f"over {NAME}", peer=self.peer, transport=NAME)
             if now >= next_patrol:
-                if self._can_probe() and not self.probing and self.inflight < self.depth - 1:
-                    self.probing = True
-                    self._probe()
+                if self._can_probe():
+                    if not self.probing and self.inflight < self.depth - 1:
+                        self.probing = True
+                        self._probe()
+                else:       # no QP of the peer's to probe yet: the roster says whether it died
+                    self._check_alive(what)
                 if watchdog is not None:
                     watchdog()
                 next_patrol = now + LIVENESS_PERIOD
+
+    def _check_alive(self, what: str) -> None:
+        """PeerGone if the communicator's roster knows the peer died (its pid gone on this host, its
+        socket refusing on another): for waits the QP probe cannot cover (before the peer wrote)."""
+        gone = getattr(self.ctx, "peer_gone", None)
+        why = gone(self.peer) if gone is not None else ""
+        if why:
+            raise PeerGone(f"rank {self.peer} {why} while rank {self.ctx.rank} (this process) waited for {what} "
+                           f"over {NAME}", peer=self.peer, transport=NAME)
 
     def check(self) -> None:
         """A patrol of _wait for callers that poll ready(): probe the peer; a dead one fails the probe,
@@ -463,6 +475,11 @@ class IbverbsTransport(Transport):
             try:
                 return json.loads(bytes(self.ctx.store.get(key, timeout=min(left, LIVENESS_PERIOD))))
             except TimeoutError:  # the store's StoreTimeout is a TimeoutError
+                gone = getattr(self.ctx, "peer_gone", None)
+                why = gone(peer) if gone is not None else ""
+                if why:
+                    raise PeerGone(f"rank {peer} {why} before it published its {NAME} queue pair for rank "
+                                   f"{self.ctx.rank}", peer=peer, transport=NAME) from None
                 watchdog = getattr(self.ctx, "watchdog", None)
                 if watchdog is not None:
                     watchdog()
