@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from .base import (Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection,
+from .base import (Aborted, Backoff, LinkContext, PeerGone, PeerTimeout, RecvConnection, wait_key,
                    SendConnection, Transport)
 from .verbs import Device, Region, find_device, unavailable  # noqa: F401 - re-exported for links/tests
 
@@ -151,8 +151,7 @@ class _Link:
     def _check_alive(self, what: str) -> None:
         """PeerGone if the communicator's roster knows the peer died (its pid gone on this host, its
         socket refusing on another): for waits the QP probe cannot cover (before the peer wrote)."""
-        gone = getattr(self.ctx, "peer_gone", None)
-        why = gone(self.peer) if gone is not None else ""
+        why = self.ctx.peer_gone(self.peer) if self.ctx.peer_gone is not None else ""
         if why:
             raise PeerGone(f"rank {self.peer} {why} while rank {self.ctx.rank} (this process) waited for {what} "
                            f"over {NAME}", peer=self.peer, transport=NAME)
@@ -457,32 +456,16 @@ class IbverbsTransport(Transport):
             return None
 
     def lookup(self, src: int, dst: int, role: str, deadline: float) -> dict:
-        """The other end's entry; waits in short store calls so that an abort is seen."""
+        """The other end's entry, waited for as every transport waits for a store key (base.wait_key:
+        an abort, the watchdog and a peer known dead are heard while it waits)."""
         peer = dst if src == self.ctx.rank else src
-        key = self._key(src, dst, role)
-        while True:
-            if self.ctx.abort is not None and self.ctx.abort.is_set():
-                raise Aborted(f"rank {self.ctx.rank}: abort requested while connecting to rank {peer} over "
-                              f"{NAME}", peer=peer, transport=NAME)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                entry = self.peek(src, dst, role)   # published already: connecting does not wait
-                if entry is not None:
-                    return entry
-                raise PeerTimeout(f"rank {self.ctx.rank} (this process) timed out waiting for rank {peer} "
-                                  f"to publish its {NAME} queue pair (store key {key!r})",
-                                  peer=peer, transport=NAME)
-            try:
-                return json.loads(bytes(self.ctx.store.get(key, timeout=min(left, LIVENESS_PERIOD))))
-            except TimeoutError:  # the store's StoreTimeout is a TimeoutError
-                gone = getattr(self.ctx, "peer_gone", None)
-                why = gone(peer) if gone is not None else ""
-                if why:
-                    raise PeerGone(f"rank {peer} {why} before it published its {NAME} queue pair for rank "
-                                   f"{self.ctx.rank}", peer=peer, transport=NAME) from None
-                watchdog = getattr(self.ctx, "watchdog", None)
-                if watchdog is not None:
-                    watchdog()
+        try:
+            return json.loads(bytes(wait_key(self.ctx, self._key(src, dst, role), deadline, peer, NAME)))
+        except PeerTimeout:
+            entry = self.peek(src, dst, role)   # published by the deadline: connecting does not wait
+            if entry is not None:
+                return entry
+            raise
 
     def _check_peer(self, peer: int) -> None:
         if not 0 <= peer < self.ctx.world_size:
