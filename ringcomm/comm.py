@@ -361,14 +361,14 @@ class Communicator:
         picked = self._pick_algo(collective, algo, nbytes)
         # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
         auto = self._forced_algo in ("", READ) and (algo is None or algo == self._forced_algo)
-        n = self.world_size
-        if not isinstance(x, np.ndarray):  # device buffers: the read steps read host memory (comm.alloc, CMA)
+        n, on_host = self.world_size, isinstance(x, np.ndarray)
+        if not on_host:  # device buffers: the read steps read host memory (comm.alloc, CMA)
             if picked == READ and not auto and n > 1:
                 refuse(collective, picked)
             picked = "ring" if picked == READ else picked
         elif auto and self._registry is None and n > 1 and plain_read.wanted(collective, nbytes, n):
             self._make_registry()  # plain buffers may take the read steps by CMA: settle probes once
-        if isinstance(x, np.ndarray) and (self._registry is not None or picked == READ):
+        if on_host and (self._registry is not None or picked == READ):
             # comm.alloc or a CMA candidate, or "read" asked for
             if self._registry is not None:
                 self._registry.doing = (collective, self._seq + 1)  # named if settle's probe fails

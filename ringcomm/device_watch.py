@@ -115,7 +115,7 @@ class ProgressWatch:
                 if conn.peer_dead():
                     flag.release()
                     self._lose(PeerFailure, f"rank {conn.peer} died while this rank's GPU stream waited for "
-                                            f"its signal {have + 1} over cuda_ipc")  
+                                            f"its signal {have + 1} over cuda_ipc")
                     continue
                 seen = self._behind.get(id(conn))
                 now = time.monotonic()

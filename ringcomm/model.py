@@ -193,9 +193,8 @@ def log_override(collective: str, world_size: int, nbytes: int, chosen: str, ran
     if key in _logged:
         return
     _logged.add(key)
-    lo = 1 << (size_class - 1) if size_class else 0
-    print(f"ringcomm INFO: {collective} on {world_size} ranks, {lo + 1 if lo else 0}..{1 << size_class} B: "
-          f"runs {ran}, not the model's {chosen}: {why}", file=sys.stderr, flush=True)
+    print(f"{_band(collective, world_size, size_class)}runs {ran}, not the model's {chosen}: {why}",
+          file=sys.stderr, flush=True)
 
 
 MODEL_MAX_RANKS = 64  # above this, building every rank's schedule takes too long for a first call
@@ -224,9 +223,13 @@ def _log_once(collective, world_size, size_class, algo, times, params):
     if key in _logged:
         return
     _logged.add(key)
-    lo = 1 << (size_class - 1) if size_class else 0
     shown = ", ".join(f"{a} {t * 1e6:.1f} us" for a, t in sorted(times.items(), key=lambda kv: kv[1])) \
         or f"more than {MODEL_MAX_RANKS} ranks: tree up to 64 KiB, else ring, without the model"
-    print(f"ringcomm INFO: {collective} on {world_size} ranks, {lo + 1 if lo else 0}..{1 << size_class} B: "
-          f"chose {algo} (model alpha={params[0]:.3g} s, beta={params[1]:.3g} s/B, gamma={params[2]:.3g} s/B: "
-          f"{shown})", file=sys.stderr, flush=True)
+    print(f"{_band(collective, world_size, size_class)}chose {algo} (model alpha={params[0]:.3g} s, "
+          f"beta={params[1]:.3g} s/B, gamma={params[2]:.3g} s/B: {shown})", file=sys.stderr, flush=True)
+
+
+def _band(collective: str, world_size: int, size_class: int) -> str:
+    """The head of an INFO line: the call and its power-of-two size band."""
+    lo = 1 << (size_class - 1) if size_class else 0
+    return f"ringcomm INFO: {collective} on {world_size} ranks, {lo + 1 if lo else 0}..{1 << size_class} B: "

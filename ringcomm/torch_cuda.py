@@ -40,8 +40,9 @@ from .torch_support import REDUCIBLE, Work, ring_op
 
 
 class CudaWork(Work):
-    def __init__(self, inner, outputs, device, end):
-        self.device, self._end = device, end  # end: a one-item list the progress thread fills
+    def __init__(self, inner, outputs, device, end, stream):
+        # end: a one-item list the progress thread fills; stream: the group's, which the call runs on
+        self.device, self._end, self._stream = device, end, stream
         super().__init__(inner, outputs)
 
     @property
@@ -60,7 +61,7 @@ class CudaWork(Work):
         records them on NCCL's stream."""
         if self.end is None or self._inner.exception() is not None:
             return super()._complete()
-        with torch.cuda.device(self.device), torch.cuda.stream(self._end[1]):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
             super()._complete()
 
     def is_completed(self) -> bool:
@@ -109,7 +110,7 @@ def _run(pg, name: str, tensors: list, outputs: list, body):
         with after_callers(pg, [(dev, ready)], end):
             body()
     pg._p2p.flush()  # held p2p calls were issued first, so they run first
-    return CudaWork(pg.comm._progress.submit(name, run), outputs, dev, end)
+    return CudaWork(pg.comm._progress.submit(name, run), outputs, dev, end, group_stream(pg, dev))
 
 
 def mark(pg, tensors: list, what: str):
@@ -118,7 +119,7 @@ def mark(pg, tensors: list, what: str):
     dev = _check(tensors, what)
     ready = torch.cuda.Event()
     ready.record(torch.cuda.current_stream(dev))
-    side = _stream(pg, dev)
+    side = group_stream(pg, dev)
     for t in tensors:
         t.record_stream(side)
     return dev, ready
@@ -130,17 +131,17 @@ def after_callers(pg, marks: list, end: list):
     current stream, which first waits for every mark's event; on success end[0] is an event after the body.
     (One device: the caller checks that every mark names the same one.)"""
     dev = marks[0][0]
-    side = _stream(pg, dev)
+    side = group_stream(pg, dev)
     with torch.cuda.device(dev), torch.cuda.stream(side):
         for _, ready in marks:
             side.wait_event(ready)
         yield
         end[0] = torch.cuda.Event()     # not reached when the body raised: no stream is chained to it
         end[0].record(side)
-        end[1:] = [side]                # the stream it is on: CudaWork completes its future there
 
 
-def _stream(pg, dev):
+def group_stream(pg, dev):
+    """The group's own stream on ``dev`` (one per device), made at first use."""
     streams = pg.__dict__.setdefault("_cuda_streams", {})
     if dev not in streams:
         streams[dev] = torch.cuda.Stream(dev)

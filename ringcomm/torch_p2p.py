@@ -175,7 +175,8 @@ class P2PBatch:
                     self._run(ops)
             names = sorted({"send" if op.is_send else "recv" for op in ops})
             host = pg._submit_now("+".join(names), [o for op in ops for o in op.work._outputs], run)
-            device = torch_cuda.CudaWork(host._inner, host._outputs, cuda[0][0], end) if cuda else None
+            device = torch_cuda.CudaWork(host._inner, host._outputs, cuda[0][0], end,
+                                         torch_cuda.group_stream(pg, cuda[0][0])) if cuda else None
             for op in ops:
                 op.work.bind(host if op.cuda is None else device)
 

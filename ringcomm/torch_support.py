@@ -140,10 +140,6 @@ def same_kind(a, b, what: str) -> None:
 _QUEUE_EMPTY = getattr(dist, "QueueEmptyError", None)     # torch >= 2.6: what queue_pop raises when empty
 
 
-def _reraise(e: Exception):
-    raise e
-
-
 class TorchStore(Store):
     """ringcomm's Store interface over torch's c10d Store (the one init_process_group hands a backend)."""
 
@@ -190,12 +186,12 @@ class TorchStore(Store):
 
     def queue_pop(self, key: str) -> bytes | None:
         """The queue's oldest value, taken; None (at once) if it is empty."""
-        try:
-            return bytes(self._store.queue_pop(key, block=False))
-        except _QUEUE_EMPTY:
-            return None
-        except (dist.DistStoreError, RuntimeError) as e:
-            return self._call("queue_pop", [key], _reraise, e)
+        def pop():
+            try:
+                return bytes(self._store.queue_pop(key, block=False))
+            except _QUEUE_EMPTY:        # a DistStoreError: caught before _call names it a failure
+                return None
+        return self._call("queue_pop", [key], pop)
 
     def _delete(self, key, timeout):
         return bool(self._call("delete", [key], self._store.delete_key, key))

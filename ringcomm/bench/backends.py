@@ -99,9 +99,7 @@ class RingcommBackend(Backend):
 
     def call(self, collective, inp, out, op, root, in_place, reproducible=False):
         c, a, rp = self.comm, self.algo, reproducible
-        # the array a known call is remembered by (comm's first buffer; scatter's out off the root)
-        self._first = out if (collective == "scatter" and self.rank != root) or \
-            (collective == "broadcast" and self.rank != root) else inp
+        self._first = inp   # the array comm remembers the call by (its first buffer): ran() reads it
         if rp:                      # only the reducing calls take it (ringcomm.bench.reproducible)
             kw = {"algo": a, "reproducible": True}
             if collective == "all_reduce":
@@ -116,7 +114,7 @@ class RingcommBackend(Backend):
         if collective == "reduce_scatter":
             return (lambda: c.reduce_scatter(inp, out, op, algo=a)), out
         if collective == "broadcast":
-            buf = inp if self.rank == root else out  # one buffer per rank; the root's holds the data
+            buf = self._first = inp if self.rank == root else out  # one buffer a rank; the root's holds the data
             return (lambda: c.broadcast(buf, root, algo=a)), buf
         if collective == "reduce":
             return (lambda: c.reduce(inp, root, op, out=None if in_place else out, algo=a)), out
@@ -129,6 +127,7 @@ class RingcommBackend(Backend):
             return (lambda: c.gather(inp, dst, root, algo=a)), out
         if collective == "scatter":  # only the root passes buf
             src = inp if self.rank == root else None
+            self._first = out if src is None else src
             return (lambda: c.scatter(src, out, root, algo=a)), out
         raise ValueError(f"unknown collective {collective!r}")
 
