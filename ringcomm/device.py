@@ -72,7 +72,7 @@ class DeviceSteps:
 
     def apply(self, step, call, io, oo, k, srcs, dsts, world_size) -> None:
         kn, s, launch, ks = self.k, self.stream, self.rt.launch, self.kstream
-        x_in = call.inp[io:io + k]
+        x_in = call.out[oo:oo + k] if step.base == "out" else call.inp[io:io + k]
         x_out = call.out[oo:oo + k] if step.copies or (step.reduces and not dsts) else None
         if not step.recvs:
             value = x_in

@@ -40,7 +40,7 @@ from . import native_sync
 from .env import oversubscribed
 
 # A plan row: flags, offsets and the connection-table rows of the slice's peers.
-F_RECVS, F_REDUCES, F_COPIES, F_FINAL = 1, 2, 4, 8
+F_RECVS, F_REDUCES, F_COPIES, F_FINAL, F_BASE_OUT = 1, 2, 4, 8, 16   # F_BASE_OUT: step.base == "out"
 FLAGS, IO, OO, K, NBYTES, NSRC, NDST, PEERS = range(8)   # PEERS: nsrc source rows, then ndst dest rows
 # The control block: what a call on a plan passes in, and (NEXT, STATUS, CONN) what the loop hands
 # back. Where to start and how long to poll change from call to call: those are arguments.
@@ -158,7 +158,7 @@ def _move(row, conns, ctl, inp, out):
     """One slice's data work, as executor._slice does it: the slots are ready."""
     nslots, slot_bytes, op, kind16, maxsrc = ctl[NSLOTS], ctl[SLOT_BYTES], ctl[OP], ctl[KIND16], ctl[MAXSRC]
     flags, io, oo, k, nsrc, ndst = row[FLAGS], row[IO], row[OO], row[K], row[NSRC], row[NDST]
-    x = inp[io:io + k]
+    x = out[oo:oo + k] if flags & F_BASE_OUT else inp[io:io + k]
     if flags & F_REDUCES:
         # Reduce into the output if the step copies, else into the first outgoing slot; further
         # sources fold into that value in order.
@@ -469,7 +469,7 @@ class NativeEngine:
         table = np.zeros((len(entries), PEERS + maxsrc + maxdst), np.int64)
         for n, (_, step, io, oo, k, nbytes, recvs, sends, _) in enumerate(entries):
             flags = (F_RECVS * step.recvs | F_REDUCES * step.reduces | F_COPIES * step.copies
-                     | F_FINAL * step.final)
+                     | F_FINAL * step.final | F_BASE_OUT * (step.base == "out"))
             table[n, :PEERS] = flags, io, oo, k, nbytes, len(recvs), len(sends)
             for j, (_, c) in enumerate(recvs):
                 table[n, PEERS + j] = self._row(c)

@@ -192,7 +192,7 @@ class Executor:
         dtype = inp.dtype
         srcs = [self._wait(p, c, call, nbytes, nslice).view(dtype) for p, c in recvs]
         dsts = [self._acquire(p, c, call, nslice)[:nbytes].view(dtype) for p, c in sends]
-        x_in = inp[io:io + k]
+        x_in = out[oo:oo + k] if step.base == "out" else inp[io:io + k]
         if not step.recvs:
             value = x_in
         elif not step.reduces:

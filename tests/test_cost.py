@@ -34,6 +34,7 @@ def pof2(p):
 FORMULAS = {  # (collective, algo): (which p, cost(p, n, a, b, g))
     ("all_reduce", "ring"): ("all", lambda p, n, a, b, g:
                              2 * (p - 1) * a + 2 * F(p - 1, p) * n * b + F(p - 1, p) * n * g),
+    ("all_reduce", "doubling"): ("pof2", lambda p, n, a, b, g: lg(p) * (a + n * b + n * g)),
     ("all_reduce", "rabenseifner"): ("pof2", lambda p, n, a, b, g:
                                      2 * lg(p) * a + 2 * F(p - 1, p) * n * b + F(p - 1, p) * n * g),
     ("reduce_scatter", "ring"): ("all", lambda p, n, a, b, g:  # the paper's pairwise exchange
@@ -88,6 +89,15 @@ def test_floats_agree_to_1e12_and_critical_path_never_exceeds_rounds():
         got = ringcomm.cost(coll, algo, p, n, a, b, g, root=root)
         assert math.isclose(got, float(formula(p, F(n), F(a), F(b), F(g))), rel_tol=1e-12)
         assert ringcomm.cost(coll, algo, p, n, a, b, g, root=root, model="critical_path") <= got * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("p", [3, 5, 6, 7, 9, 12, 13])
+def test_recursive_doubling_non_power_of_two_fold(p):
+    """MPICH's fold: the extra ranks' inputs come in (stage 0) and the results go back (stage
+    lg p' + 1) around the lg p' exchanges, the first of which carries a reduction more."""
+    lgq = lg(pof2(p))
+    assert ringcomm.cost("all_reduce", "doubling", p, N, ALPHA, BETA, GAMMA) == \
+        (lgq + 2) * (ALPHA + N * BETA) + (lgq + 1) * N * GAMMA
 
 
 @pytest.mark.parametrize("p", [3, 5, 6, 7, 9, 12, 13])

@@ -56,3 +56,19 @@ def test_collectives_on_device_buffers(n):
         assert failures == [[]] * n, "\n".join(f for per_rank in failures for f in per_rank)
         errors = w.run(p2p_and_world_checks, "numba", timeout=60)
         assert errors == [[]] * n, errors
+
+
+@pytest.mark.timeout(240)
+def test_recursive_doubling_carries_its_sum_in_device_memory():
+    """Recursive doubling keeps its running sum in the output and carries it on (base="out" steps):
+    on device buffers the kernels must start from the output, not the input. 3 ranks fold into 2,
+    so every step kind of the schedule runs; AVG checks that the partial steps do not divide."""
+    cases = [dict(collective="all_reduce", dtype=dt, op=op, count=count, algo="doubling", root=0,
+                  inplace=inplace, seed=seed)
+             for seed, (dt, op, count, inplace) in enumerate([("float32", "avg", 300, False),
+                                                              ("bfloat16", "sum", 129, True),
+                                                              ("int32", "max", 300, True),
+                                                              ("float64", "prod", 65, False)])]
+    with World(3, SIM, timeout=60) as w:
+        failures = w.run(run_device_cases, cases, "numba", timeout=200)
+    assert failures == [[]] * 3, "\n".join(f for per_rank in failures for f in per_rank)

@@ -21,7 +21,7 @@ from ringcomm.schedule.faults import ScheduleError
 from ringcomm.schedule.simulate import check
 from ringcomm.schedule.spec import IN_PLACE, OUT_OF_PLACE
 from ringcomm.schedule.step import (BLOCK, OWN, SPLIT, Schedule, Step, copy, copy_send, recv,
-                                    recv_copy_send, recv_reduce_copy, send)
+                                    recv_copy_send, recv_reduce_copy, recv_reduce_copy_send, send)
 from ringcomm.schedule.verify import FIFOS, NOT_CHECKED, fifo_shapes, verify_schedules
 
 SIZES = (2, 3, 4, 5, 7)
@@ -403,6 +403,52 @@ def test_malformed_schedules():
     assert rep.kinds == {F.MALFORMED} and "no schedule for you" in rep.postcondition
     assert rep.deadlock_free is None and all(d.startswith(NOT_CHECKED) for d in rep.deadlocks.values())
     assert ringcomm.verify("all_reduce", lambda r, n: None, 3, 10).kinds == {F.MALFORMED}
+
+
+# ---- carried sums: recursive doubling keeps its running sum in the output ---------------------
+
+@pytest.mark.parametrize("n", (3, 4, 5, 8))
+def test_a_carried_sum_marked_final_too_early(n):
+    """Rank 1's first kept sum left final (no partial=True): AVG would divide it before the
+    later exchanges add to it."""
+    s = build("all_reduce", "doubling", n)
+    steps = list(s[1].steps)
+    i = next(i for i, st in enumerate(steps) if st.partial)
+    steps[i] = dataclasses.replace(steps[i], partial=False)
+    rep = verdict("all_reduce", [s[0], with_steps(s[1], steps)] + s[2:])
+    assert_caught(rep, F.POST_OP)
+    assert any(f.rank == 1 for f in rep.failures if f.kind == F.POST_OP), rep.summary()
+
+
+def test_carrying_an_output_that_nothing_wrote():
+    s = build("all_reduce", "doubling", 4)
+    steps = list(s[0].steps)
+    steps[1] = dataclasses.replace(steps[1], base="out")   # the first exchange: nothing kept yet
+    rep = verdict("all_reduce", [with_steps(s[0], steps)] + s[1:])
+    assert_caught(rep, F.MALFORMED, rank=0, step=1, chunk=0)
+    assert "no earlier step of rank 0 wrote it" in rep.summary()
+
+
+def test_restarting_from_the_input_loses_the_first_exchange():
+    s = build("all_reduce", "doubling", 4)
+    steps = list(s[0].steps)
+    steps[2] = dataclasses.replace(steps[2], base="in")   # x0 op (x2 + x3): x1 is missing
+    rep = verdict("all_reduce", [with_steps(s[0], steps)] + s[1:])
+    assert_caught(rep, F.MISSING)
+
+
+def test_base_and_partial_are_checked_where_they_are_made():
+    with pytest.raises(ValueError, match="base='out'"):
+        Step("recv", 0, (1,), base="out")
+    with pytest.raises(ValueError, match="partial=True"):
+        Step("send", 0, (), (1,), partial=True)
+    with pytest.raises(ValueError, match="base must be"):
+        send(0, 1, base="output")
+    with pytest.raises(ValueError, match="FIFO steps"):
+        Step("read_copy", 0, remote=(1,), base="out")
+    assert str(recv_reduce_copy_send(0, 1, 2, base="out", partial=True)) == \
+        "recv_reduce_copy_send(0, from=[1], to=[2], base=out, partial)"
+    assert not recv_reduce_copy_send(0, 1, 2, partial=True).final and recv_reduce_copy(0, 1, base="out").final
 
 
 # ---- the model: in-place forms, no false positives -----------------------------------------

@@ -122,45 +122,44 @@ def rabenseifner_all_reduce(rank: int, n: int) -> Schedule:
 
 def doubling_all_reduce(rank: int, n: int) -> Schedule:
     """Recursive doubling, MPICH's all_reduce for short messages: at stage j every rank swaps its
-    partial sum with v ^ 2^j, so after log2(p') stages all hold the total; one chunk, the whole
-    vector in every message.
+    partial sum with v ^ 2^(j-1) and folds in what it gets, so after log2(p') stages all hold the
+    total; one chunk, the whole vector in every message (Thakur et al.: lg p (alpha + n beta +
+    n gamma)).
 
-    With no scratch, a step's value is its input op what it receives (step.py), so a partial sum
-    S_j (the sum over v's group of 2^j ranks) is rebuilt each time it is sent: emitting S_j
-    takes S_0 .. S_{j-1} from the partners at distance 1 .. 2^(j-1), each of which they emit in
-    turn by the same program. Emitting S_j is thus the program for S_{j-1} .. S_0 followed by one
-    recv_reduce_send, and the whole call is that program for S_k with a final recv_reduce_copy:
-    2^k steps, the vector sent 2^k - 1 times (3 steps and 3 messages a rank on 4 ranks, 7 on 8), in
-    k rounds of dependence. Every rank folds (x_v op x_partner) op (the pair's partner's pair) ...:
-    both ends of each exchange combine the same two values, so for a commutative op all ranks
-    hold the same bits. Non-power-of-two sizes fold in MPICH's way (Fold): an even rank below
-    2*rem hands its input to rank + 1 for each of that rank's steps and gets the result back."""
+    The running sum S lives in the output. The first exchange reduces the input with the
+    partner's and keeps it there (partial=True: not final, so AVG does not divide yet); each
+    later one carries it on (base="out": S = S op what the partner sends), and the last finishes
+    it. A step sends the value it makes to the next stage's partner as it makes it, so a rank
+    sends once a stage and a FIFO holds one message at a time. Both ends of an exchange combine
+    the same two values (S op P at one end, P op S at the other), so for a commutative op all
+    ranks hold the same bits. Non-power-of-two sizes fold in MPICH's way (Fold): an even rank
+    below 2*rem hands its input to rank + 1 (stage 0), which starts from the two, and gets the
+    result back (stage k + 1)."""
     _check(rank, n)
     if n == 1:
         return Schedule("all_reduce", "doubling", rank, n, 1, SPLIT, SPLIT, (copy(0),))
     f = Fold(n)
     v, k = f.virtual(rank), f.k
     if v is None:
-        steps = [send(0, rank + 1)] * (1 << k) + [recv(0, rank + 1)]
-        return _sched("all_reduce", "doubling", rank, n, 1, SPLIT, SPLIT, steps, [0] * (1 << k) + [k + 1])
+        return _sched("all_reduce", "doubling", rank, n, 1, SPLIT, SPLIT,
+                      [send(0, rank + 1), recv(0, rank + 1)], [0, k + 1])
     extra = f.extra(v)
     partners = f.doubling(v)
-    steps, stages = [], []
-
-    def emit(j: int) -> None:   # S_j to partners[j]; j == k: the total, into the output
-        for i in reversed(range(j)):   # S_0 last: each value is sent just before its partner takes
-            emit(i)                    # it, so a FIFO holds one message at a time (2 slots suffice)
-        srcs = ([extra] if extra is not None else []) + partners[:j]
-        if j < k:
-            steps.append(recv_reduce_send(0, srcs, partners[j]) if srcs else send(0, partners[j]))
-            stages.append(j + 1)
+    if extra is None:   # stage 1 sends the input itself
+        steps, stages, base = [send(0, partners[0])], [1], "in"
+    else:               # ... or the input with the extra rank's, kept as the running sum
+        steps, stages, base = [recv_reduce_copy_send(0, extra, partners[0], partial=True)], [1], "out"
+    for j, frm in enumerate(partners):
+        last = j == k - 1
+        if not last:
+            step = recv_reduce_copy_send(0, frm, partners[j + 1], base=base, partial=True)
         elif extra is not None:
-            steps.append(recv_reduce_copy_send(0, srcs, [extra]))
-            stages.append(k + 1)
+            step = recv_reduce_copy_send(0, frm, extra, base=base)
         else:
-            steps.append(recv_reduce_copy(0, srcs))
-            stages.append(k + 1)
-    emit(k)
+            step = recv_reduce_copy(0, frm, base=base)
+        steps.append(step)
+        stages.append(j + 2)
+        base = "out"
     return _sched("all_reduce", "doubling", rank, n, 1, SPLIT, SPLIT, steps, stages)
 
 

@@ -165,6 +165,7 @@ class _Sim:
         self.faults: list[Failure] = []
         self._seen: set = set()          # (kind, rank, step): each fault reported once, not per slice
         self.writers: dict = {}          # (round, rank, output cell) -> step index
+        self.kept: dict = {}             # (round, rank, output cell, slice) -> what the rank wrote there
         # In place: output cell -> the input chunk name in the same memory, per rank; and the
         # input slices overwritten with a new value: (round, rank, name, slice) -> (the writing
         # rank's step, in words; value)
@@ -248,6 +249,8 @@ class _Sim:
         s, me = st.sched, st.sched.rank
         if step.remote:  # reads a peer's registered buffer, or syncs: schedule/peer_read.py
             value = peer_read.value(self, st, step)
+        elif step.base == "out":  # carries on the value an earlier step kept in the output
+            value = self._read_output(st, step)
         elif not step.recvs or step.reduces:  # reads the input, before anything is written
             value = self._read(st, step, input_name(s, step.chunk))
         else:
@@ -290,6 +293,17 @@ class _Sim:
                         f"memory: in place it would use that instead of x{me}[{name}]", IN_PLACE)
         return Sym.leaf(me, name)  # the out-of-place value; the in-place one is refused above
 
+    def _read_output(self, st: _Rank, step: Step) -> Sym:
+        me, cell = st.sched.rank, output_cell(st.sched, step.chunk)
+        if self.racy:
+            peer_read.touch(self, st, peer_read.output_place(self, st.round, me, cell), "read", "out")
+        value = self.kept.get((st.round, me, cell, st.slice))
+        if value is None:
+            self._stop(Failure(MALFORMED, me, st.index, step.chunk, f"{st.where()} carries on its output "
+                               f"chunk {step.chunk} (base=out), but no earlier step of rank {me} wrote it "
+                               f"this round: it would start from whatever the buffer held"))
+        return value
+
     def _write(self, st: _Rank, cell: int, value: Sym) -> None:
         me = st.sched.rank
         if self.racy:
@@ -301,6 +315,10 @@ class _Sim:
         peer writing into its buffer); in place, the input chunk under it changes with it."""
         writer = st.sched.rank
         self.outputs[st.round][owner][cell] = value
+        if writer == owner:   # what a later base=out step of the owner starts from, slice by slice
+            self.kept[st.round, owner, cell, st.slice] = value
+        else:
+            self.kept.pop((st.round, owner, cell, st.slice), None)
         # the owner's step that wrote it (None: a peer's write_copy, a step of another schedule)
         self.writers[st.round, owner, cell] = st.index if writer == owner else None
         name = self.alias[owner].get(cell)

@@ -3,15 +3,21 @@
 A Step is what one rank does with one chunk, modelled on the flags of NCCL's
 ``genericOp`` (prims_simple.h). Its value is computed in this order:
 
-    value = input[chunk]                      if it receives nothing
+    value = base[chunk]                       if it receives nothing
     value = received                          if it receives without reducing
-    value = input[chunk] op recv_1 op recv_2  if it receives and reduces
+    value = base[chunk] op recv_1 op recv_2   if it receives and reduces
     output[chunk] = value                     if it copies
     every peer in ``dst`` gets value          if it sends
 
+``base`` is the rank's input, or (``base="out"``) its output chunk as an earlier
+step of this rank left it: a partial result kept there and carried on, the way
+the textbook's recursive doubling keeps its running sum (S = S op partner's S,
+each stage) without a scratch buffer of its own.
+
 A step that both reduces and copies produces the chunk's final value, so the
 executor applies the op's post-processing there (AVG's division), before the
-value is sent on, as NCCL's postOp does.
+value is sent on, as NCCL's postOp does; unless it is marked ``partial``: the
+value it keeps is carried on by a later ``base="out"`` step, which finishes it.
 
 A Schedule is one rank's list of steps plus the chunk layout. It is executed
 once per *round*: the buffer is cut into rounds and each round into
@@ -111,13 +117,19 @@ class Step:
     src: tuple[int, ...] = ()
     dst: tuple[int, ...] = ()
     remote: tuple[int, ...] = ()  # the peers a READS step reads (or syncs with)
+    base: str = "in"              # where the value starts: "in" (the input) or "out" (see above)
+    partial: bool = False         # a reducing copy that is not the final value (no post-op)
 
     def __post_init__(self):
         if self.kind in READS or self.kind in WRITES:
+            if self.base != "in" or self.partial:
+                raise ValueError(f"{self.kind} reads and writes registered buffers: base= and "
+                                 f"partial= are for FIFO steps")
             self._init_read()
             return
         if self.kind not in KINDS:
             raise ValueError(f"unknown step kind {self.kind!r}")
+        self._check_base()
         if self.remote:
             raise ValueError(f"{self.kind} moves data through FIFOs: remote= is for "
                              f"{sorted(READS) + sorted(WRITES)}")
@@ -132,9 +144,20 @@ class Step:
         # step yields the chunk's finished reduction, where AVG's division is applied.
         recvs, reduces, copies, sends = KINDS[self.kind]
         for name, value in (("recvs", recvs), ("reduces", reduces), ("copies", copies),
-                            ("sends", sends), ("final", reduces and copies), ("reads", None),
-                            ("writes", False)):
+                            ("sends", sends), ("final", reduces and copies and not self.partial),
+                            ("reads", None), ("writes", False)):
             object.__setattr__(self, name, value)
+
+    def _check_base(self) -> None:
+        recvs, reduces, copies, _ = KINDS[self.kind]
+        if self.base not in ("in", "out"):
+            raise ValueError(f"base must be 'in' or 'out', got {self.base!r}")
+        if self.base == "out" and not (reduces or self.kind == "send"):
+            raise ValueError(f"{self.kind} with base='out': only a step that sends or reduces its base "
+                             f"value reads it (send, recv_reduce_*)")
+        if self.partial and not (reduces and copies):
+            raise ValueError(f"{self.kind} is partial=True, but only a step that reduces and copies "
+                             f"keeps a value that could be final")
 
     def _init_read(self) -> None:
         buffer, reduces, copies = READS.get(self.kind, (None, False, False))
@@ -158,6 +181,10 @@ class Step:
         if self.remote:
             verb = "with" if self.kind == "sync" else "writes" if self.kind in WRITES else "reads"
             s += f", {verb}={list(self.remote)}"
+        if self.base != "in":
+            s += f", base={self.base}"
+        if self.partial:
+            s += ", partial"
         return s + ")"
 
 
@@ -165,8 +192,8 @@ def _peers(p) -> tuple[int, ...]:
     return tuple(p) if isinstance(p, (tuple, list)) else (p,)
 
 
-def send(c, to):
-    return Step("send", c, (), _peers(to))
+def send(c, to, *, base="in"):
+    return Step("send", c, (), _peers(to), base=base)
 
 
 def copy_send(c, to):
@@ -189,16 +216,16 @@ def recv_copy_send(c, frm, to):
     return Step("recv_copy_send", c, _peers(frm), _peers(to))
 
 
-def recv_reduce_send(c, frm, to):
-    return Step("recv_reduce_send", c, _peers(frm), _peers(to))
+def recv_reduce_send(c, frm, to, *, base="in"):
+    return Step("recv_reduce_send", c, _peers(frm), _peers(to), base=base)
 
 
-def recv_reduce_copy(c, frm):
-    return Step("recv_reduce_copy", c, _peers(frm))
+def recv_reduce_copy(c, frm, *, base="in", partial=False):
+    return Step("recv_reduce_copy", c, _peers(frm), base=base, partial=partial)
 
 
-def recv_reduce_copy_send(c, frm, to):
-    return Step("recv_reduce_copy_send", c, _peers(frm), _peers(to))
+def recv_reduce_copy_send(c, frm, to, *, base="in", partial=False):
+    return Step("recv_reduce_copy_send", c, _peers(frm), _peers(to), base=base, partial=partial)
 
 
 def read_copy(c, frm):
