@@ -358,7 +358,7 @@ class Communicator:
     # ---- the work ------------------------------------------------------------------------------
 
     def _run(self, collective, algo, x, y, m, op, root, nbytes, blocks=None):
-        picked = self._pick_algo(collective, algo, nbytes)
+        picked = self._pick_algo(collective, algo, nbytes, op, x.dtype)
         # RINGCOMM_ALGO=read: "read" where the buffers allow it (reproducible mode passes the forced name on)
         auto = self._forced_algo in ("", READ) and (algo is None or algo == self._forced_algo)
         n, on_host = self.world_size, isinstance(x, np.ndarray)
@@ -574,7 +574,7 @@ class Communicator:
         raise CommunicatorClosed(f"rank {self.rank}: the communicator is unusable after an earlier "
                                  f"error: {self._broken}")
 
-    def _pick_algo(self, collective, algo, nbytes) -> str:
+    def _pick_algo(self, collective, algo, nbytes, op="sum", dtype=None) -> str:
         choices = ALGOS[collective]
         if algo is not None:
             if algo not in choices:
@@ -584,9 +584,11 @@ class Communicator:
         if forced:
             return forced if forced in choices else next(iter(choices))
         key = (collective, max(0, nbytes - 1).bit_length())  # the model's power-of-two size band
+        if op in ("min", "max") and dtype is not None and dtype.kind not in "iu":
+            key += (op,)  # float min(-0.0, +0.0) depends on the operands' order: see model.choose
         algo = self._auto.get(key)
         if algo is None:
-            algo = self._auto[key] = model.choose(collective, self.world_size, nbytes)
+            algo = self._auto[key] = model.choose(collective, self.world_size, nbytes, swap_safe=len(key) == 2)
         return algo
 
     def _out(self, out, x, size, name) -> np.ndarray:

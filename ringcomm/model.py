@@ -33,12 +33,16 @@ DEFAULT = {"alpha": 3.0e-5, "beta": 2.5e-10, "gamma": 4.0e-10}
 # it ranks Rabenseifner first from 4 ranks up, but ringcomm runs it chunk by chunk (no scratch)
 # and ringcomm-bench measures it slower than the ring here (docs/cost_model.md), so automatic
 # choice keeps to the algorithms whose executor cost the model tracks. Widen it at your own risk
-# (never with oneshot: its ranks combine in different orders). Recursive doubling ("doubling")
-# is the same story at small sizes: the model prices it a third of the ring from 4 ranks (log2 p
-# rounds against 2(p-1)), but it resends partial sums (no scratch) and on 4 ranks sharing 2 cores
-# ringcomm-bench measured it level with the ring (8 B-4 KiB: 13-27 us against 14-23, two runs).
+# (never with oneshot from 3 ranks: its ranks combine in different orders). Recursive doubling
+# ("doubling") joins where the op commutes bit for bit (_choose): its partners combine S op P and
+# P op S, which differ only for float min / max at signed zeros. It is fast where the model says:
+# on 4 ranks sharing 2 cores, 8 B-32 KiB took 12-27 us against the ring's 19-36, but 48 KiB was
+# level (31-39 against 39-42) and 96-128 KiB slower (54-81 against 45-65), where the model, whose
+# alpha was fitted on 2 ranks, still prices it cheaper. So automatic choice offers it up to 32 KiB
+# (ringcomm-bench all_reduce -n 4 --algo ring,doubling, 2026-12-04).
 # all_to_all: pairwise or Bruck (fewer, larger messages: small blocks on many ranks); with packed
 # counts always a direct algorithm (vcounts.direct_algo), never the model's pick.
+DOUBLING_AUTO_MAX_BYTES = 32 * 1024
 AUTO = {"all_reduce": ("ring", "tree"), "reduce_scatter": ("ring",), "all_gather": ("ring",),
         "broadcast": ("ring", "tree"), "reduce": ("ring", "tree"), "all_to_all": ("pairwise", "bruck"),
         "gather": ("linear", "binomial"), "scatter": ("linear", "binomial")}
@@ -173,11 +177,17 @@ def _params(path: str) -> tuple:
         raise ValueError(f"RINGCOMM_MODEL={path!r}: cannot read alpha, beta, gamma from it: {e}") from None
 
 
-def choose(collective: str, world_size: int, nbytes: int, params=None) -> str:
-    """The AUTO algorithm the model says is fastest; ties go to the earlier one in AUTO."""
+def choose(collective: str, world_size: int, nbytes: int, params=None, *, swap_safe: bool = True) -> str:
+    """The AUTO algorithm the model says is fastest; ties go to the earlier one in AUTO.
+
+    ``swap_safe``: whether ``a op b`` and ``b op a`` give the same bits for the call's op and
+    dtype. IEEE + and * commute exactly, integer min and max too; float min and max do not where
+    the operands are +0.0 and -0.0 (fmin, like NCCL's fminf, returns either zero). Where they do
+    not, one-shot (whose two ranks combine in opposite orders) is not offered, so that every rank
+    still gets the same bits."""
     params = params_from_env() if params is None else tuple(params)
     size_class = max(0, int(nbytes) - 1).bit_length()  # one choice per power-of-two band
-    algo, times = _choose(collective, world_size, size_class, params)
+    algo, times = _choose(collective, world_size, size_class, params, swap_safe)
     if "info" in os.environ.get("RINGCOMM_DEBUG", "").lower().split(","):
         _log_once(collective, world_size, size_class, algo, times, params)
     return algo
@@ -201,13 +211,17 @@ MODEL_MAX_RANKS = 64  # above this, building every rank's schedule takes too lon
 
 
 @lru_cache(maxsize=1024)
-def _choose(collective, world_size, size_class, params):
+def _choose(collective, world_size, size_class, params, swap_safe=True):
     nbytes = 1 << size_class
     names = [a for a in AUTO.get(collective, ()) if a in catalogue.names(collective)]
-    if collective == "all_reduce" and world_size == 2:
-        # Two ranks combine a op b and b op a: the same bits for every op (IEEE + and * commute
-        # exactly), so one-shot's single hop is safe here, and it halves small-message latency.
-        names.append("oneshot")
+    if collective == "all_reduce" and swap_safe:
+        # Two ranks combine a op b and b op a: the same bits where the op commutes bit for bit
+        # (choose's swap_safe), so one-shot's single hop is safe there, and it halves small-message
+        # latency; so is recursive doubling, whose partners do the same at every stage.
+        if world_size == 2:
+            names.append("oneshot")
+        elif nbytes <= DOUBLING_AUTO_MAX_BYTES:
+            names.append("doubling")
     if world_size > MODEL_MAX_RANKS:  # NCCL's rule of thumb: trees for latency, rings for bandwidth
         pick = "tree" if "tree" in names and nbytes <= 64 * 1024 else names[0]
         return pick, {}

@@ -72,6 +72,31 @@ def test_doubling_all_reduce_is_right_and_the_same_bits_on_every_rank(n):
     assert all(digests == results[0][1] for _, digests in results), "ranks' bits differ"
 
 
+def _signed_zero_extremes(comm):
+    """all_reduce min and max of -0.0 (rank 0) and +0.0 (rank 1), automatic choice: each rank's
+    signbits, per (dtype, op)."""
+    from ringcomm.kernels.host import as_dtype
+    got = {}
+    for name in ("float16", "bfloat16", "float32", "float64"):
+        dt = as_dtype(name)
+        for op in ("min", "max"):
+            x = np.full(5, -0.0 if comm.rank == 0 else 0.0, np.float32).astype(dt)
+            out = np.empty_like(x)
+            comm.all_reduce(x, op=op, out=out)
+            got[name, op] = np.signbit(out.astype(np.float32)).tolist()
+    return got
+
+
+@pytest.mark.timeout(120)
+def test_two_ranks_get_the_same_zero_from_min_and_max():
+    """fmin(-0.0, +0.0) and fmin(+0.0, -0.0) are different zeros: automatic choice must not give
+    2-rank float min / max to one-shot, whose ranks combine in opposite orders (it did: rank 0
+    got +0.0, rank 1 -0.0)."""
+    with World(2, {"RINGCOMM_TRANSPORT": "shm"}, timeout=60) as w:
+        a, b = w.run(_signed_zero_extremes, timeout=90)
+    assert a == b, (a, b)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("n, transport", [(n, t) for t in ("shm", "tcp") for n in (6, 7)])
 def test_block_collectives_on_six_and_seven_ranks(n, transport):

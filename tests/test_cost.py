@@ -162,11 +162,13 @@ def test_automatic_choice_uses_the_model_and_says_why(monkeypatch, capsys):
     from ringcomm import model
     monkeypatch.setattr(model, "_logged", set())
     monkeypatch.setenv("RINGCOMM_DEBUG", "info")
-    assert model.choose("all_reduce", 8, 1000) == "tree"        # latency: 2 log-depth trees
-    assert model.choose("all_reduce", 8, 1000) == "tree"
+    assert model.choose("all_reduce", 8, 1000) == "doubling"    # latency: log2 p exchanges
+    assert model.choose("all_reduce", 8, 1000) == "doubling"
+    assert model.choose("all_reduce", 8, 1000, swap_safe=False) == "tree"  # float min/max: 2 log-depth trees
     assert model.choose("all_reduce", 8, 4 << 20) == "ring"     # bandwidth
+    assert model.choose("all_reduce", 8, 64 << 10) != "doubling"  # measured slower from 48 KiB (model.py)
     err = capsys.readouterr().err
-    assert err.count("ringcomm INFO: all_reduce on 8 ranks, 513..1024 B: chose tree") == 1
+    assert err.count("ringcomm INFO: all_reduce on 8 ranks, 513..1024 B: chose doubling") == 1
     assert "chose ring" in err and "ring " in err and " us" in err
     assert model.choose("all_reduce", 100, 1000) == "tree"      # beyond the model's reach: the old rule
     assert model.choose("all_to_all", 8, 4096) == "bruck"        # 3 messages instead of 7
