@@ -74,7 +74,8 @@ def test_forced_ibverbs_without_a_device_fails_clearly(monkeypatch):
 def test_hca_and_gid_selection_follow_nccl_syntax(monkeypatch):
     cases = {"": ("mlx5_0", (True, None)), "mlx5": ("mlx5_1", (True, None)),
              "mlx5_0:2,rxe0": ("mlx5_0", (True, 2)), "=mlx5": ("mlx5_0", (False, None)),
-             "^mlx5_1": ("mlx5_1", (False, None)), "^mlx5_1,": ("rxe0", (True, None))}
+             "^mlx5_1": ("mlx5_1", (False, None)), "^mlx5_1,": ("rxe0", (True, None)),
+             "^mlx5_1:1": ("mlx5_1", (True, None)), "^=mlx5_1:2,mlx5_1": ("mlx5_1", (False, None))}
     for spec, (name, want) in cases.items():
         monkeypatch.setenv("RINGCOMM_IB_HCA", spec)
         assert verbs.hca_filter(name) == want, spec
@@ -87,6 +88,54 @@ def test_hca_and_gid_selection_follow_nccl_syntax(monkeypatch):
     assert verbs.gid_index("nodev", 1, is_ib=True) == 0
     monkeypatch.setenv("RINGCOMM_IB_GID_INDEX", "-1")          # automatic, as NCCL_IB_GID_INDEX=-1
     assert verbs.gid_index("nodev", 1, is_ib=True) == 0 and verbs.gid_index("nodev", 1, is_ib=False) == 0
+
+
+class _FakeVerbs:
+    """pyverbs' device list, contexts and port states, enough for verbs.find_device."""
+
+    def __init__(self, ports: dict):  # device name -> {port: active?}
+        from types import SimpleNamespace as NS
+        fake = self
+
+        class Context:
+            def __init__(self, name):
+                self.name = name
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def query_device(self):
+                return NS(phys_port_cnt=len(ports[self.name]))
+
+            def query_port(self, p):
+                return NS(state=fake.ACTIVE if ports[self.name][p] else 0)
+
+        self.ACTIVE = 4
+        self.e = NS(IBV_PORT_ACTIVE=self.ACTIVE)
+        self.device = NS(get_device_list=lambda: [NS(name=n.encode()) for n in ports],
+                         Context=lambda name: Context(name))
+
+
+@pytest.mark.timeout(10)
+def test_hca_port_excludes_pick_the_next_port_or_say_why(monkeypatch):
+    """NCCL_IB_HCA's "^dev:port" leaves the device's other ports usable; "^dev" the whole device."""
+    monkeypatch.delenv("RINGCOMM_IB_PORT", raising=False)
+    monkeypatch.setattr(verbs, "pyverbs", lambda: _FakeVerbs({"mlx5_0": {1: True, 2: True}, "rxe0": {1: True}}))
+    for spec, want in (("", ("mlx5_0", 1)), ("^mlx5_0:1", ("mlx5_0", 2)), ("^mlx5_0:1,mlx5_0:2", ("rxe0", 1)),
+                       ("^mlx5_0", ("rxe0", 1)), ("mlx5_0:2", ("mlx5_0", 2))):
+        monkeypatch.setenv("RINGCOMM_IB_HCA", spec)
+        assert verbs.find_device() == want, spec
+    monkeypatch.setenv("RINGCOMM_IB_HCA", "^mlx5_0:1,rxe")
+    monkeypatch.setattr(verbs, "pyverbs", lambda: _FakeVerbs({"mlx5_0": {1: True, 2: False}, "rxe0": {1: True}}))
+    with pytest.raises(LookupError, match=r"mlx5_0 port 1 \(excluded by RINGCOMM_IB_HCA\), mlx5_0 port 2 "
+                                          r"\(not active\), rxe0 \(not selected"):
+        verbs.find_device()
+    monkeypatch.setenv("RINGCOMM_IB_HCA", "mlx5_0:x")
+    with pytest.raises(ValueError, match="port after ':' must be a number"):
+        verbs.find_device()
 
 
 @pytest.mark.timeout(10)

@@ -54,12 +54,10 @@ def env_int(name: str, default: int | None) -> int | None:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
-def hca_filter(name: str) -> tuple[bool, int | None]:
-    """RINGCOMM_IB_HCA as NCCL_IB_HCA: "mlx5_0:1,mlx5_1" (prefixes), "=" exact names, "^" excludes.
-    Returns (use this device?, the port the entry names or None)."""
+def _hca_hits(name: str) -> tuple[bool, list]:
+    """(whether RINGCOMM_IB_HCA excludes, the ports of its entries that match ``name``: None for an
+    entry without one)."""
     spec = os.environ.get("RINGCOMM_IB_HCA", "").strip()
-    if not spec:
-        return True, None
     exclude = spec.startswith("^")
     spec = spec.lstrip("^")
     exact = spec.startswith("=")
@@ -67,8 +65,29 @@ def hca_filter(name: str) -> tuple[bool, int | None]:
     for item in filter(None, (s.strip() for s in spec.lstrip("=").split(","))):
         dev, _, port = item.partition(":")
         if (name == dev) if exact else name.startswith(dev):
-            hits.append(int(port) if port else None)
-    return (not hits) if exclude else bool(hits), (None if exclude or not hits else hits[0])
+            try:
+                hits.append(int(port) if port else None)
+            except ValueError:
+                raise ValueError(f"RINGCOMM_IB_HCA entry {item!r}: the port after ':' must be a number") from None
+    return exclude, hits
+
+
+def hca_filter(name: str) -> tuple[bool, int | None]:
+    """RINGCOMM_IB_HCA as NCCL_IB_HCA: "mlx5_0:1,mlx5_1" (prefixes), "=" exact names, "^" excludes
+    ("^mlx5_0" the device, "^mlx5_0:1" only its port 1: excluded_ports). Returns (use this device?,
+    the port the entry names or None)."""
+    if not os.environ.get("RINGCOMM_IB_HCA", "").strip():
+        return True, None
+    exclude, hits = _hca_hits(name)
+    if exclude:
+        return None not in hits, None
+    return bool(hits), (hits[0] if hits else None)
+
+
+def excluded_ports(name: str) -> frozenset[int]:
+    """The ports of device ``name`` that "^dev:port" entries of RINGCOMM_IB_HCA exclude."""
+    exclude, hits = _hca_hits(name)
+    return frozenset(p for p in hits if p is not None) if exclude else frozenset()
 
 
 def find_device() -> tuple[str, int]:
@@ -85,12 +104,15 @@ def find_device() -> tuple[str, int]:
         if not wanted:
             seen.append(f"{name} (not selected by RINGCOMM_IB_HCA={os.environ.get('RINGCOMM_IB_HCA', '')!r})")
             continue
-        port = env_int("RINGCOMM_IB_PORT", port)
+        port, skip = env_int("RINGCOMM_IB_PORT", port), excluded_ports(name)
         with pv.device.Context(name=name) as vctx:
             for p in [port] if port else range(1, vctx.query_device().phys_port_cnt + 1):
-                if vctx.query_port(p).state == pv.e.IBV_PORT_ACTIVE:
+                if p in skip:
+                    seen.append(f"{name} port {p} (excluded by RINGCOMM_IB_HCA)")
+                elif vctx.query_port(p).state == pv.e.IBV_PORT_ACTIVE:
                     return name, p
-                seen.append(f"{name} port {p} (not active)")
+                else:
+                    seen.append(f"{name} port {p} (not active)")
     raise LookupError(f"no usable RDMA port: {', '.join(seen)}")
 
 
