@@ -64,6 +64,25 @@ def test_lang_all_gather_and_multi_input_reduce():
     assert str(res.outputs[0][0]) == "(((x0[0] + x1[0]) + x2[0]) + x3[0])/post"
 
 
+def _lang_doubling(n):
+    """Recursive doubling as chunk flows: each stage reduces the partner's kept sum into one's own."""
+    p = Program("all_reduce", n, nchunks=1, name="lang_doubling")
+    s = [p.chunk(r, 0) for r in range(n)]
+    for j in range(n.bit_length() - 1):
+        s = [s[r].reduce(s[r ^ (1 << j)], output=True) for r in range(n)]
+    return p
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_lang_carries_a_kept_sum_as_the_built_in_doubling_does(n):
+    from ringcomm.schedule.recursive import doubling_all_reduce
+    scheds = _lang_doubling(n).compile()
+    assert [s.steps for s in scheds] == [doubling_all_reduce(r, n).steps for r in range(n)]
+    assert str(scheds[0].steps[-1]) == f"recv_reduce_copy(0, from=[{n // 2}], base=out)" or n == 2
+    res = check("all_reduce", scheds)
+    assert all(v.post and len(v.terms) == n for out in res.outputs for v in out)
+
+
 def test_lang_explains_what_steps_cannot_do():
     p = Program("all_reduce", 3, nchunks=3)
     with pytest.raises(ProgramError, match="its own index"):
@@ -72,8 +91,12 @@ def test_lang_explains_what_steps_cannot_do():
         p.chunk(0, 0).reduce(p.chunk(0, 0))
     v = p.chunk(1, 1).reduce(p.chunk(0, 1))
     v.copy(2)
-    with pytest.raises(ProgramError, match="already sent or kept"):
+    with pytest.raises(ProgramError, match="sent but not kept"):
         v.reduce(p.chunk(2, 1))
+    kept = p.chunk(2, 2).reduce(p.chunk(1, 2), output=True)
+    kept.reduce(p.chunk(0, 2), output=True)
+    with pytest.raises(ProgramError, match="carried on already"):
+        kept.reduce(p.chunk(0, 2))
     with pytest.raises(ProgramError, match="received copy"):
         p.chunk(0, 0).copy(1).reduce(p.chunk(2, 0))
     with pytest.raises(ProgramError, match="to itself"):

@@ -12,10 +12,11 @@ follows each chunk's value as it moves:
 The values are symbolic; compile() turns every value into the step of the rank that makes it:
 whether it receives (from a copy or reduce), reduces (its own input plus what arrives),
 copies (``output()``), and sends (each later ``copy``/``reduce`` at another rank that uses
-it). That is the step model of NCCL's primitives: a reduction always starts from the rank's
-own input and happens as data arrives, so a value that was already sent or kept cannot be
-reduced further (write one multi-input ``reduce`` chain instead), and every message is used
-by exactly one step of its receiver.
+it). That is the step model of NCCL's primitives: a reduction starts from the rank's own
+input and happens as data arrives, and every message is used by exactly one step of its
+receiver. A reduction the rank kept (``output=True``) can be reduced again: the new step
+carries the kept value on (``base="out"``; recursive doubling's running sum); a value only
+sent, not kept, cannot (nothing holds it: write one multi-input ``reduce`` chain instead).
 
 Each rank's steps are ordered by their depth in the dataflow (how many messages lie on the
 longest path before them), then by the order the program made them: the order in which a
@@ -46,6 +47,8 @@ class Value:
         self.sends: list[tuple[int, int | None]] = []  # (dst rank, stage or None)
         self.users: list[Value] = []      # the values made from this one at the dst ranks
         self.out = False
+        self.carries: Value | None = None  # the kept value of this rank it starts from (base="out")
+        self.carried = False              # a later value carries this one on: it is not final
         self.order = prog._tick()         # when it last changed: the tie-break among equal depths
 
     @property
@@ -63,8 +66,10 @@ class Value:
     def reduce(self, other: "Value", *, output: bool = False, stage: int | None = None) -> "Value":
         """This rank's chunk combined with ``other``, which another rank sends here.
 
-        ``self`` is this rank's input chunk (from Program.chunk) or a reduce chain still being
-        built here; the result is a new handle for the same step."""
+        ``self`` is this rank's input chunk (from Program.chunk), a reduce chain still being
+        built here (the result is a new handle for the same step), or a reduction this rank kept
+        with ``output=True``: then the new value carries that one on (a step with base="out",
+        the way recursive doubling keeps its running sum), and the kept one is no longer final."""
         if not isinstance(other, Value):
             raise TypeError(f"reduce() takes a Value, got {type(other).__name__}")
         if other.rank == self.rank:
@@ -76,14 +81,20 @@ class Value:
         if not self.own:
             raise ProgramError(f"rank {self.rank}: a received copy cannot be reduced into; reduce "
                                f"into Program.chunk({self.rank}, {self.index}) instead")
-        if not self.leaf and (self.sends or self.out):
-            raise ProgramError(f"rank {self.rank} chunk {self.index}: this value was already sent or "
-                               f"kept, so it cannot be reduced further (a step reduces as data "
-                               f"arrives and has no scratch): add all inputs to one reduce chain")
+        carry = not self.leaf and self.out
+        if carry and self.carried:
+            raise ProgramError(f"rank {self.rank} chunk {self.index}: this kept value is carried on "
+                               f"already, and the output now holds what that made of it")
+        if not self.leaf and self.sends and not self.out:
+            raise ProgramError(f"rank {self.rank} chunk {self.index}: this value was sent but not kept, "
+                               f"so nothing holds it to reduce further: keep it (output=True) to carry "
+                               f"it on, or add all inputs to one reduce chain")
         other._send(self.rank, stage)
-        if self.leaf:
+        if self.leaf or carry:
             v = Value(self.prog, self.rank, self.index, [other])
             other.users.append(v)
+            if carry:
+                v.carries, self.carried = self, True
         else:  # extend the chain: the same step receives one more input
             v = self
             v.srcs.append(other)
@@ -158,6 +169,8 @@ class Program:
         depth: dict[int, int] = {}
         for v in sorted(self.values, key=lambda v: v.order):
             depth[id(v)] = 1 + max(depth[id(s)] for s in v.srcs) if v.srcs else 0
+            if v.carries is not None:   # after the step whose value it carries on
+                depth[id(v)] = max(depth[id(v)], depth[id(v.carries)])
         per_rank: list[list[tuple]] = [[] for _ in range(self.n)]
         for v in self.values:
             step = _step_of(v)
@@ -198,7 +211,8 @@ def _step_of(v: Value) -> Step | None:
     if recv and not reduce and len(v.srcs) > 1:
         raise ProgramError(f"rank {v.rank} receives chunk {v.index} from several ranks without reducing")
     kind = next(k for k, flags in KINDS.items() if flags == (recv, reduce, copy, send))
-    return Step(kind, v.index, tuple(s.rank for s in v.srcs), tuple(d for d, _ in v.sends))
+    return Step(kind, v.index, tuple(s.rank for s in v.srcs), tuple(d for d, _ in v.sends),
+                base="out" if v.carries is not None else "in", partial=v.carried and reduce)
 
 
 def program_builder(make):
