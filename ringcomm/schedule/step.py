@@ -149,7 +149,7 @@ class Step:
             object.__setattr__(self, name, value)
 
     def _check_base(self) -> None:
-        recvs, reduces, copies, _ = KINDS[self.kind]
+        _, reduces, copies, _ = KINDS[self.kind]
         if self.base not in ("in", "out"):
             raise ValueError(f"base must be 'in' or 'out', got {self.base!r}")
         if self.base == "out" and not (reduces or self.kind == "send"):
