@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 
 from ringcomm.kernels import host as kernels
-from ringcomm.transport.base import Aborted, PeerGone, PeerTimeout
+from ringcomm.transport.base import Aborted, PeerGone, PeerTimeout, RecvConnection
 
 from .errors import CollectiveTimeout, PeerFailure, RingcommError
 from .schedule.step import SPLIT, Schedule, chunk_span
@@ -101,6 +101,17 @@ class Executor:
             raise ValueError(f"engine must be 'native' or 'python', got {name!r}")
         # The reference engine's plans are cut by the engine setting (see _plan): made afresh.
         self._plans = {key: entry for key, entry in self._plans.items() if key[-1]}
+
+    def has_arrived(self, peer: int) -> bool | None:
+        """Whether the host link from ``peer`` holds a slice no call has taken yet; None where it
+        cannot tell (no link yet, or a transport without a probe). Between calls only: the native
+        engine keeps the links' counters while it runs, and hands them back here first."""
+        conn = self.links.conns.get((peer, "recv"))
+        if conn is None or type(conn).ready is RecvConnection.ready:
+            return None
+        if self.native is not None:
+            self.native.release()
+        return bool(conn.ready())
 
     def run(self, sched: Schedule, call: Call) -> None:
         if call.m == 0:

@@ -21,6 +21,10 @@ message of its source (or, from any source, of all sources) with its tag. The me
 before that one, of other tags, must be received first (one connection, one order): each goes into
 a stash buffer of its announced size, and a later receive with its tag takes it from there.
 
+A receive waiting for an announcement asks the store after growing pauses and, between them,
+watches the links it waits on (P2PBatch._nap): its sender announced a message before sending it, so
+data on a link means the store has news.
+
 So a batch's receives run once their messages are announced, and a batch never waits for
 announcements before its sends have started: it reads what is announced (without waiting), runs its
 sends and the receives that can run in one ``comm.group()``, then waits for the next announcements
@@ -265,8 +269,37 @@ class P2PBatch:
                     f"{comm.timeout:g} s waiting for a matching send to be announced (announcement "
                     f"{self._next} to rank {comm.rank} in the store); was it sent, with that tag and a "
                     f"tensor of that kind?")
-            time.sleep(min(pause, left))
+            self._nap(waiting, min(pause, left))
             pause = min(_POLL_GROWTH * pause, _POLL_MAX_S)
+
+    def _nap(self, waiting, seconds: float) -> None:
+        """Sleep ``seconds`` before the store is asked again, or less: until a link that a receive
+        waits on holds data. Its sender announced that message before sending it, so the store has
+        it now; a look at a link costs a memory read (shm), a look at the store a round trip. Links
+        are looked at every _LINK_TICK_S, or 1/16 of the pause once the pauses grow long."""
+        end, tick = time.monotonic() + seconds, max(_LINK_TICK_S, seconds / 16)
+        while True:
+            if self._link_has_news(waiting):
+                return
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(tick, left))
+
+    def _link_has_news(self, waiting) -> bool:
+        """Whether a host link from a rank a receive waits on holds a message that no announcement
+        read so far accounts for (with announced messages of that link still unreceived, what it
+        holds may be one of them: no news). Links not made yet, device links and transports that
+        cannot tell say nothing (Executor.has_arrived). This runs on the group's queue thread, between
+        its calls, as has_arrived requires."""
+        comm = self._pg.comm
+        arrived = getattr(getattr(comm, "_executor", None), "has_arrived", None)  # (none on a test's fake)
+        peers = set()
+        for op in waiting:
+            if op.cuda is None:
+                peers.update(range(comm.world_size) if op.peer is None else (op.peer,))
+        return arrived is not None and any(p != comm.rank and not self._queued.get((p, "h")) and arrived(p)
+                                           for p in peers)
 
     def _take(self, op, calls: list, after: list, errors: list) -> bool:
         """Plan receive ``op`` if its message is announced (else False): to ``calls`` the receives, the
@@ -329,6 +362,8 @@ class P2PBatch:
 # each time, up to 20 ms (TorchStore's most, ringcomm/torch_support.py). A gentle growth: a wait of t is
 # seen by t * 1.5 at the latest (doubling would allow 2 t, a ping-pong's reply seen late at every hop).
 _POLL_FIRST_S, _POLL_GROWTH, _POLL_MAX_S = 0.00005, 1.5, 0.02
+# Between two looks at the store, a waiting receive looks at its links this often (P2PBatch._nap).
+_LINK_TICK_S = 0.00005
 
 
 class _Op(NamedTuple):

@@ -208,6 +208,36 @@ def test_native_over_shm_reference_elsewhere(transport):
         assert set(plans) == want, plans
 
 
+def _arrivals(comm):
+    """Executor.has_arrived around one 16-byte message 0 -> 1, after the native engine ran calls
+    over the link (it keeps the links' counters while it runs: the probe must see through that)."""
+    x = np.ones(1000, np.float32)
+    for _ in range(3):
+        comm.all_reduce(x)                      # the native engine moves the link's counters
+    ex = comm._executor
+    if comm.rank == 0:
+        comm.send(np.arange(4, dtype=np.float32), 1)
+        comm.recv(np.empty(1, np.float32), 1)   # sends nothing more until rank 1 has looked
+        return None
+    deadline, seen = time.monotonic() + 30, ex.has_arrived(0)
+    while not seen and time.monotonic() < deadline:   # polls what the send makes visible, with a deadline
+        time.sleep(0.001)
+        seen = ex.has_arrived(0)
+    got = np.empty(4, np.float32)
+    comm.recv(got, 0)
+    after = ex.has_arrived(0)
+    comm.send(np.zeros(1, np.float32), 0)
+    return seen, after, got.tolist(), ex.has_arrived(1), ex.has_arrived(7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["native", "python"])
+def test_has_arrived_sees_a_message_not_yet_taken(engine):
+    with World(2, {"RINGCOMM_TRANSPORT": "shm", "RINGCOMM_ENGINE": engine}, timeout=60) as w:
+        _, mine = w.run(_arrivals, timeout=90)
+    assert mine == (True, False, [0.0, 1.0, 2.0, 3.0], None, None), mine
+
+
 def _odd_inputs(comm):
     """A read-only input and an unaligned one (a float32 view one byte into its buffer)."""
     from ringcomm import engine_native as en
