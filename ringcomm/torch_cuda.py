@@ -61,8 +61,13 @@ class CudaWork(Work):
         records them on NCCL's stream."""
         if self.end is None or self._inner.exception() is not None:
             return super()._complete()
-        with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
-            super()._complete()
+        try:
+            with torch.cuda.device(self.device), torch.cuda.stream(self._stream):
+                super()._complete()
+        except Exception as e:
+            if not self._completed.is_set():   # the stream could not be made current: the waiter learns why
+                super()._complete(e)
+            raise
 
     def is_completed(self) -> bool:
         """The GPU has finished the call (its end event), as NCCL's Work.is_completed() says."""

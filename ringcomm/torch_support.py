@@ -5,8 +5,10 @@ Only ringcomm.torch imports this module (it needs torch, an optional extra).
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
+import traceback
 from collections import deque
 from datetime import timedelta
 
@@ -276,6 +278,10 @@ class Completer:
                     self._cv.release()
                     try:
                         fn()
+                    except Exception:  # noqa: BLE001 - said, and the worker goes on: had it died here,
+                        # still the active one, every later completion would wait for it for ever
+                        print("ringcomm: completing a torch Work's future failed (the next ones go on):\n"
+                              + traceback.format_exc(), file=sys.stderr, flush=True)
                     finally:
                         self._cv.acquire()
                 if self._active is me:
@@ -308,9 +314,11 @@ class Work(dist.Work):
     def _finish(self, inner) -> None:
         COMPLETER.submit(self._complete)
 
-    def _complete(self) -> None:
+    def _complete(self, error: BaseException | None = None) -> None:
+        """Set the future (the call's error, or ``error`` where completing it failed) and mark it
+        completed, whatever happens on the way: a waiter must never hang on it."""
         try:
-            error = self._inner.exception()
+            error = error or self._inner.exception()
             if error is None:
                 self._future.set_result(self._outputs)
             else:

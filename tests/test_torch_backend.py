@@ -1011,3 +1011,43 @@ def test_the_future_completer_starts_afresh_in_a_forked_child():
         os._exit(0 if ok.wait(5) else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+def test_a_completion_that_raises_leaves_the_completer_working(capsys):
+    """A completion that raised (a CUDA stream that could not be made current, say) killed the
+    completer's worker while it was still the active one: every later Work's future then waited for
+    ever (a test hung in Future.wait this way). It is said, and the next completions run."""
+    import threading
+    from ringcomm.torch_support import COMPLETER
+    done = threading.Event()
+    COMPLETER.submit(lambda: 1 / 0)
+    COMPLETER.submit(done.set)
+    assert done.wait(10), "the completion after the one that raised never ran"
+    assert "completing a torch Work's future failed" in capsys.readouterr().err
+
+
+def test_a_cuda_work_whose_stream_cannot_be_entered_fails_rather_than_hangs(monkeypatch):
+    from ringcomm import torch_cuda
+    from ringcomm.work import Work as InnerWork
+
+    class Broken:
+        def __init__(self, *a):
+            pass
+
+        def __enter__(self):
+            raise RuntimeError("no such device")
+
+        def __exit__(self, *exc):
+            return False
+    monkeypatch.setattr(torch.cuda, "device", Broken)
+    inner = InnerWork.__new__(InnerWork)
+    monkeypatch.setattr(InnerWork, "exception", lambda self: None)
+    work = torch_cuda.CudaWork.__new__(torch_cuda.CudaWork)
+    work.device, work._end, work._stream = "cuda:0", [object()], None
+    work._inner, work._outputs, work._future = inner, [], torch.futures.Future()
+    work._completed = __import__("threading").Event()
+    with pytest.raises(RuntimeError, match="no such device"):
+        work._complete()
+    assert work._completed.is_set()
+    with pytest.raises(RuntimeError, match="no such device"):
+        work._future.wait()
