@@ -8,10 +8,12 @@ import logging
 import multiprocessing as mp
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from ringcomm.errors import StoreError
 from ringcomm.store import HashStore, TCPStore
 from ringcomm.transport.base import LinkContext, PeerGone, PeerTimeout
 from ringcomm.transport.tcp import TcpTransport, interface_address, local_address
@@ -71,6 +73,43 @@ def test_connecting_waits_for_the_peer_with_a_deadline(links, transports):
     lonely = transports(0, HashStore(), world_size=3)
     with pytest.raises(PeerTimeout, match="rank 2 to publish"):
         lonely.connect_send(2, soon(0.1))
+
+
+@pytest.mark.timeout(10)
+def test_a_receiver_stops_waiting_for_a_sender_that_died_or_lost_the_store(transports, monkeypatch):
+    """connect_recv waited the whole deadline for a sender that could never come: one that died, or one
+    that can no longer read this rank's address because the store's host died (a two-host shrink test
+    then met with one rank still waiting)."""
+    store, dead = HashStore(timeout=5), {}
+    t0 = transports(0, store, peer_gone=lambda p: dead.get(p, ""))
+    dead[1] = "(pid 123) died"
+    t = time.monotonic()
+    with pytest.raises(PeerGone, match=r"rank 1 \(pid 123\) died before it connected over tcp"):
+        t0.connect_recv(1, soon(10))
+    assert time.monotonic() - t < 2
+    dead.clear()
+
+    def lost(*args, **kw):
+        raise StoreError("lost the store at 10.0.0.1:29500: EOFError()")
+    monkeypatch.setattr(store, "get", lost)
+    t = time.monotonic()
+    with pytest.raises(StoreError, match="lost the store"):
+        t0.connect_recv(1, soon(10))
+    assert time.monotonic() - t < 3   # two patrols: a sender that read the address first may still dial
+
+
+@pytest.mark.timeout(10)
+def test_a_sender_stops_dialling_a_peer_that_died(transports):
+    store = HashStore(timeout=5)
+    transports(1, store).close()      # its address is published; its listener refuses now
+    t0 = transports(0, store, peer_gone=lambda p: "(pid 5) died")
+    t = time.monotonic()
+    with pytest.raises(PeerGone, match=r"rank 1 \(pid 5\) died: its tcp listener at .* refused"):
+        t0.connect_send(1, soon(10))
+    assert time.monotonic() - t < 2
+    alive = transports(0, store, peer_gone=lambda p: "", prefix="t")  # not known dead: retried until the deadline
+    with pytest.raises(PeerTimeout, match="a connection to rank 1"):
+        alive.connect_send(1, soon(0.8))
 
 
 @pytest.mark.timeout(10)

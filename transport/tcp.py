@@ -23,7 +23,7 @@ import struct
 import threading
 import time
 
-from .base import Aborted, LinkContext, PeerGone, PeerTimeout, Transport, wait_key
+from .base import PATROL_PERIOD, Aborted, LinkContext, PeerGone, PeerTimeout, Transport, wait_key
 from .tcp_link import TcpRecvConnection, TcpSendConnection, _Link, _left, _recv_bytes, _wait
 
 log = logging.getLogger("ringcomm.transport.tcp")
@@ -151,7 +151,7 @@ class TcpTransport(Transport):
         self._check_peer(peer)
         with self._cv:
             _wait(self._cv, lambda: self._closed or self._accepted[peer], deadline, self.ctx, peer,
-                  f"rank {peer} to connect")
+                  f"rank {peer} to connect", patrol=_SenderPatrol(self.ctx, peer))
             self._check_peer(peer)
             link = TcpRecvConnection(self.ctx, peer, self._accepted[peer].popleft())
             self._links.append(link)
@@ -179,7 +179,7 @@ class TcpTransport(Transport):
         me, where = self.ctx.rank, f"{addr[0]}:{addr[1]}"
         token, prefix = self.ctx.token.encode(), self.ctx.prefix.encode()
         hello = HELLO.pack(MAGIC, VERSION, me, peer, len(token), len(prefix)) + token + prefix
-        pause, last = 0.005, None
+        pause, last, next_patrol = 0.005, None, time.monotonic() + PATROL_PERIOD
         while True:
             left = _left(deadline, self.ctx, peer, f"a connection to rank {peer} at {where} (last: {last})")
             try:
@@ -187,6 +187,12 @@ class TcpTransport(Transport):
                 break
             except OSError as e:  # the peer may not be listening yet
                 last = e
+                if time.monotonic() >= next_patrol:   # ... or never will: it died (a refusal alone says neither)
+                    why = self.ctx.peer_gone(peer) if self.ctx.peer_gone is not None else ""
+                    if why:
+                        raise PeerGone(f"rank {peer} {why}: its tcp listener at {where} refused this rank's "
+                                       f"connection ({e})", peer=peer, transport="tcp") from None
+                    next_patrol = time.monotonic() + PATROL_PERIOD
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.2)
         try:
@@ -233,3 +239,29 @@ class TcpTransport(Transport):
         self._acceptor.join()
         for t in threads:
             t.join()
+
+
+class _SenderPatrol:
+    """What a receiver waiting for its sender to connect checks at each patrol: that the sender
+    lives, and that the store it reads this rank's address from is still there. A rank that lost
+    the store (its host died) fails the call and shrinks; without this its peer waited the whole
+    timeout for a connection that could no longer come, and came to the shrink too late. A sender
+    that read the address before the store went may still be dialling: one more patrol for it."""
+
+    def __init__(self, ctx: LinkContext, peer: int):
+        self.ctx, self.peer, self.lost = ctx, peer, False
+
+    def __call__(self) -> None:
+        ctx, peer = self.ctx, self.peer
+        why = ctx.peer_gone(peer) if ctx.peer_gone is not None else ""
+        if why:
+            raise PeerGone(f"rank {peer} {why} before it connected over tcp", peer=peer, transport="tcp")
+        try:
+            ctx.store.get(f"{ctx.prefix}/tcp/{ctx.rank}", timeout=0)  # this rank's address, set at start
+            self.lost = False
+        except TimeoutError:
+            pass  # a slow store is not a lost one
+        except Exception:  # noqa: BLE001 - the store's StoreError (the transports do not import the core)
+            if self.lost:
+                raise
+            self.lost = True

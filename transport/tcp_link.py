@@ -62,15 +62,25 @@ def _left(deadline: float, ctx: LinkContext, peer: int, what: str) -> float:
     return left
 
 
-def _wait(cv: threading.Condition, ready, deadline: float, ctx: LinkContext, peer: int, what: str):
+def _wait(cv: threading.Condition, ready, deadline: float, ctx: LinkContext, peer: int, what: str,
+          patrol=None):
     """With ``cv`` held, wait until ready() is true (see _left for the errors); a wait
-    that lasts calls ctx.watchdog every PATROL_PERIOD."""
+    that lasts calls ctx.watchdog, and ``patrol()`` (with ``cv`` released: it may raise to end
+    the wait), every PATROL_PERIOD."""
     next_patrol = time.monotonic() + PATROL_PERIOD
+    polls = ctx.abort is not None or ctx.watchdog is not None or patrol is not None
     while not ready():
         left = _left(deadline, ctx, peer, what)
-        cv.wait(left if ctx.abort is None and ctx.watchdog is None else min(left, ABORT_POLL))
-        if ctx.watchdog is not None and time.monotonic() >= next_patrol:
-            ctx.watchdog()
+        cv.wait(min(left, ABORT_POLL) if polls else left)
+        if time.monotonic() >= next_patrol:
+            if ctx.watchdog is not None:
+                ctx.watchdog()
+            if patrol is not None:
+                cv.release()
+                try:
+                    patrol()
+                finally:
+                    cv.acquire()
             next_patrol = time.monotonic() + PATROL_PERIOD
 
 

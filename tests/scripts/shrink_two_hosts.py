@@ -15,7 +15,13 @@ import ringcomm
 comm = ringcomm.init()
 comm.all_reduce(np.ones(1000))  # every rank is up
 if comm.rank == 0:
+    # Die only once every rank has finished that call: a rank that returns from a collective may
+    # still have its last messages in the tcp link's sender thread (recursive doubling sends to host B
+    # last), and a SIGKILL then would fail the peers inside it rather than in the next one.
+    for peer in range(1, comm.world_size):
+        comm.recv(np.empty(1), peer)
     os.kill(os.getpid(), signal.SIGKILL)
+comm.send(np.ones(1), 0)
 try:
     comm.all_reduce(np.ones(300_000))
     print(f"rank {comm.rank}: WRONG, no error after rank 0 died")
