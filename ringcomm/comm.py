@@ -52,7 +52,7 @@ class Communicator:
         # Knobs read once: a collective must not pay for os.environ lookups.
         self._forced_algo = os.environ.get("RINGCOMM_ALGO", "").strip().lower()
         self._check = check.enabled()
-        self._auto: dict = {}  # (collective, size band) -> the algorithm automatic choice picked
+        self._auto: dict = {}  # (collective, size band, swap_safe) -> the algorithm automatic choice picked
         self._device = None    # ringcomm.device.DevicePath, made at the first call on device buffers
         self._registry = None  # ringcomm.registered.Registry, made by the first alloc()
         self._known = KnownCalls()  # small calls repeated on the same arrays (known_calls.py)
@@ -583,12 +583,12 @@ class Communicator:
         forced = self._forced_algo
         if forced:
             return forced if forced in choices else next(iter(choices))
-        key = (collective, max(0, nbytes - 1).bit_length())  # the model's power-of-two size band
-        if op in ("min", "max") and dtype is not None and dtype.kind not in "iu":
-            key += (op,)  # float min(-0.0, +0.0) depends on the operands' order: see model.choose
+        # float min(-0.0, +0.0) depends on the operands' order: see model.choose
+        swap_safe = op not in ("min", "max") or dtype is None or dtype.kind in "iu"
+        key = (collective, max(0, nbytes - 1).bit_length(), swap_safe)  # the model's power-of-two size band
         algo = self._auto.get(key)
         if algo is None:
-            algo = self._auto[key] = model.choose(collective, self.world_size, nbytes, swap_safe=len(key) == 2)
+            algo = self._auto[key] = model.choose(collective, self.world_size, nbytes, swap_safe=swap_safe)
         return algo
 
     def _out(self, out, x, size, name) -> np.ndarray:

@@ -293,13 +293,12 @@ class P2PBatch:
         cannot tell say nothing (Executor.has_arrived). This runs on the group's queue thread, between
         its calls, as has_arrived requires."""
         comm = self._pg.comm
-        arrived = getattr(getattr(comm, "_executor", None), "has_arrived", None)  # (none on a test's fake)
         peers = set()
         for op in waiting:
             if op.cuda is None:
                 peers.update(range(comm.world_size) if op.peer is None else (op.peer,))
-        return arrived is not None and any(p != comm.rank and not self._queued.get((p, "h")) and arrived(p)
-                                           for p in peers)
+        return any(p != comm.rank and not self._queued.get((p, "h")) and comm._executor.has_arrived(p)
+                   for p in peers)
 
     def _take(self, op, calls: list, after: list, errors: list) -> bool:
         """Plan receive ``op`` if its message is announced (else False): to ``calls`` the receives, the

@@ -82,6 +82,13 @@ class LinkContext:
     # dead peer will never publish ends at the next patrol instead of at the deadline.
     peer_gone: Any = None
 
+    def check_alive(self, peer: int, transport: str, then: str) -> None:
+        """PeerGone, "rank {peer} {why}{then}", where peer_gone knows ``peer`` died; else nothing:
+        the check every wait that lasts makes at its patrols."""
+        why = self.peer_gone(peer) if self.peer_gone is not None else ""
+        if why:
+            raise PeerGone(f"rank {peer} {why}{then}", peer=peer, transport=transport)
+
 
 def process_gone(pid: int) -> bool:
     """True when no process ``pid`` runs on this host: absent, or a zombie (/proc/PID/stat state
@@ -192,12 +199,10 @@ def wait_key(ctx: LinkContext, key: str, deadline: float, peer: int, transport: 
         try:
             return ctx.store.get(key, timeout=min(left, PATROL_PERIOD))
         except TimeoutError:  # the store's StoreTimeout is one
-            if ctx.watchdog is not None:
-                ctx.watchdog()
-            why = ctx.peer_gone(peer) if ctx.peer_gone is not None else ""
-            if why:
-                raise PeerGone(f"rank {peer} {why} before it published {key!r} in the store", peer=peer,
-                               transport=transport) from None
+            pass
+        if ctx.watchdog is not None:
+            ctx.watchdog()
+        ctx.check_alive(peer, transport, f" before it published {key!r} in the store")
 
 
 class SendConnection:

@@ -151,10 +151,8 @@ class _Link:
     def _check_alive(self, what: str) -> None:
         """PeerGone if the communicator's roster knows the peer died (its pid gone on this host, its
         socket refusing on another): for waits the QP probe cannot cover (before the peer wrote)."""
-        why = self.ctx.peer_gone(self.peer) if self.ctx.peer_gone is not None else ""
-        if why:
-            raise PeerGone(f"rank {self.peer} {why} while rank {self.ctx.rank} (this process) waited for {what} "
-                           f"over {NAME}", peer=self.peer, transport=NAME)
+        self.ctx.check_alive(self.peer, NAME, f" while rank {self.ctx.rank} (this process) waited for {what} "
+                                              f"over {NAME}")
 
     def check(self) -> None:
         """A patrol of _wait for callers that poll ready(): probe the peer; a dead one fails the probe,

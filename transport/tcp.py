@@ -185,16 +185,14 @@ class TcpTransport(Transport):
             try:
                 sock = socket.create_connection(addr, timeout=left)
                 break
-            except OSError as e:  # the peer may not be listening yet
+            except OSError as e:  # the peer may not be listening yet ...
                 last = e
-                if time.monotonic() >= next_patrol:   # ... or never will: it died (a refusal alone says neither)
-                    why = self.ctx.peer_gone(peer) if self.ctx.peer_gone is not None else ""
-                    if why:
-                        raise PeerGone(f"rank {peer} {why}: its tcp listener at {where} refused this rank's "
-                                       f"connection ({e})", peer=peer, transport="tcp") from None
-                    next_patrol = time.monotonic() + PATROL_PERIOD
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.2)
+            if time.monotonic() >= next_patrol:   # ... or never will: it died (a refusal alone says neither)
+                self.ctx.check_alive(peer, "tcp", f": its tcp listener at {where} refused this rank's "
+                                                  f"connection ({last})")
+                next_patrol = time.monotonic() + PATROL_PERIOD
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.2)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.sendall(hello)
@@ -252,10 +250,8 @@ class _SenderPatrol:
         self.ctx, self.peer, self.lost = ctx, peer, False
 
     def __call__(self) -> None:
-        ctx, peer = self.ctx, self.peer
-        why = ctx.peer_gone(peer) if ctx.peer_gone is not None else ""
-        if why:
-            raise PeerGone(f"rank {peer} {why} before it connected over tcp", peer=peer, transport="tcp")
+        ctx = self.ctx
+        ctx.check_alive(self.peer, "tcp", " before it connected over tcp")
         try:
             ctx.store.get(f"{ctx.prefix}/tcp/{ctx.rank}", timeout=0)  # this rank's address, set at start
             self.lost = False
