@@ -22,6 +22,7 @@ import pytest
 import ringcomm.algorithms
 import ringcomm.model
 from ringcomm.bench import alternate, jobs, machine, placement, report, runs, spec, verify, worker
+from ringcomm.bench.backends import Backend
 from ringcomm.bench.cli import parse_args
 from ringcomm.kernels import host
 from ringcomm.transport.base import pid_alive
@@ -407,7 +408,7 @@ def test_bind_puts_a_rank_of_any_library_on_its_cpu(env):
     assert json.loads(out.stdout) == [[usable[1 % len(usable)]], str(len(usable))]
 
 
-class _CountingBackend:
+class _CountingBackend(Backend):
     """One rank that counts its calls and times nothing but what measure() asks of it."""
     world_size, rank, name = 1, 0, "fake"
 

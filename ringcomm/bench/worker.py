@@ -173,7 +173,7 @@ def measure(be, cfg, tables, bufs, coll, size, in_place, warm_s=0.0) -> dict:
         wrong = float(check(be, cfg, tables, exp_buf, fn, inp, result, coll, count, checked))
     stats = be.gather_f64([seconds, wrong, on_cpu])   # ROW_STATS values
     return {"size": row_bytes, "count": count, "in_place": in_place, "iters": iters, "span": span, "steal_s": stolen,
-            "ran": be.ran() if hasattr(be, "ran") else None,   # what the timed calls ran (automatic choice)
+            "ran": be.ran(),   # what the timed calls ran (automatic choice)
             "rank_seconds": stats[:, 0].tolist(), "on_cpu": stats[:, 2].tolist(),
             "rank_wrong": None if stats[0, 1] < 0 else [int(w) for w in stats[:, 1]]}
 
